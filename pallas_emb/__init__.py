@@ -1,0 +1,14 @@
+"""pallas_emb: column-sharded embedding tables for JAX recommenders."""
+
+from pallas_emb.exchange import replicated_sharding
+from pallas_emb.exchange import table_sharding
+from pallas_emb.exchange import token_sharding
+from pallas_emb.lookup import lookup
+from pallas_emb.validation import BACKENDS
+from pallas_emb.validation import check_single_shard_per_rank
+from pallas_emb.validation import EmbeddingContext
+from pallas_emb.validation import make_context
+from pallas_emb.validation import ShardingError
+from pallas_emb.validation import single_shard_per_rank
+
+__version__ = "0.1.0"

@@ -1,0 +1,93 @@
+"""The collectives of the column-sharded layout (DESIGN §3, §4.1).
+
+Everything here runs per rank, inside `shard_map` over the context's mesh;
+`shard` builds that `shard_map`. With W = group_size, T = tokens_per_rank and
+S = shard_width, a rank all-gathers the W*T ids of its communicator
+(source-rank major), serves S columns of each, and an all-to-all brings every
+rank the W*S columns of its own T tokens. Gradients travel the reverse way.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from pallas_emb.validation import EmbeddingContext
+
+
+# --- shardings -------------------------------------------------------------
+
+
+def table_spec(ctx: EmbeddingContext) -> P:
+  """Rows replicated, columns over the communicator (replicated over replicas)."""
+  return P(None, ctx.table_axis)
+
+
+def token_spec(ctx: EmbeddingContext) -> P:
+  """Leading token dimension over replica_axis + data_axis."""
+  return P(ctx.token_axes)
+
+
+def table_sharding(ctx: EmbeddingContext) -> NamedSharding:
+  """The `NamedSharding` a `[vocab_rows, emb_width]` table must have."""
+  return NamedSharding(ctx.mesh, table_spec(ctx))
+
+
+def token_sharding(ctx: EmbeddingContext) -> NamedSharding:
+  """The `NamedSharding` of token ids (and of lookup outputs)."""
+  return NamedSharding(ctx.mesh, token_spec(ctx))
+
+
+def replicated_sharding(ctx: EmbeddingContext) -> NamedSharding:
+  """Row optimizer state and unique tokens: the same on every device."""
+  return NamedSharding(ctx.mesh, P())
+
+
+def shard(ctx: EmbeddingContext, fn, in_specs, out_specs):
+  """`shard_map` over the context's mesh.
+
+  check_vma is off: `pallas_call` does not carry varying-axis types.
+  """
+  return jax.shard_map(fn, mesh=ctx.mesh, in_specs=in_specs,
+                       out_specs=out_specs, check_vma=False)
+
+
+# --- per-rank collectives ----------------------------------------------------
+
+
+def _communicator(ctx: EmbeddingContext):
+  axes = ctx.table_axis
+  return axes[0] if len(axes) == 1 else axes
+
+
+def all_gather_ids(ctx: EmbeddingContext, ids: jax.Array) -> jax.Array:
+  """`[T]` local ids -> `[W*T]` ids of the communicator, source-rank major."""
+  if ctx.group_size == 1:
+    return ids
+  return lax.all_gather(ids, _communicator(ctx), axis=0, tiled=True)
+
+
+def _all_to_all(ctx: EmbeddingContext, x: jax.Array) -> jax.Array:
+  """Block w of the leading dim goes to rank w; block w back is from rank w."""
+  if ctx.group_size == 1:
+    return x
+  return lax.all_to_all(x, _communicator(ctx), 0, 0, tiled=True)
+
+
+def exchange_rows(ctx: EmbeddingContext, rows: jax.Array) -> jax.Array:
+  """Served rows `[W*T, S]` (destination major) -> my tokens `[T, W*S]`."""
+  w, t, s = ctx.group_size, ctx.tokens_per_rank, ctx.shard_width
+  received = _all_to_all(ctx, rows).reshape(w, t, s)  # [column shard, T, S]
+  return received.transpose(1, 0, 2).reshape(t, w * s)
+
+
+def route_gradients(ctx: EmbeddingContext, grads: jax.Array) -> jax.Array:
+  """My tokens' gradients `[T, W*S]` -> `[W*T, S]`: my columns of every token.
+
+  The order matches `all_gather_ids`, so row i belongs to gathered id i.
+  """
+  w, t, s = ctx.group_size, ctx.tokens_per_rank, ctx.shard_width
+  by_column_shard = grads.reshape(t, w, s).transpose(1, 0, 2)  # [W, T, S]
+  return _all_to_all(ctx, by_column_shard.reshape(w * t, s))

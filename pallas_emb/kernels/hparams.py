@@ -1,0 +1,23 @@
+"""Static hyper-parameters of the row-wise Adagrad kernels."""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class AdagradHParams:
+  """The derived constants of DESIGN §4.5 (all Python floats, static).
+
+  eager: `factor = decay_factor`, `wd = weight_decay_factor` on rows with a
+  gradient. lazy: `factor = exp(-accum_decay_rate * delta)`,
+  `wd = exp(-weight_decay_rate * delta)` with `delta = max(0, step -
+  last_step[t])`. The learning rate is a traced argument (schedules).
+  """
+  eps: float
+  inv_width: float  # 1 / emb_width (the full width, not the shard's)
+  lazy: bool = False
+  decay_factor: float = 1.0
+  weight_decay_factor: float = 1.0
+  accum_decay_rate: float = 0.0
+  weight_decay_rate: float = 0.0

@@ -1,0 +1,74 @@
+"""The forward lookup (DESIGN §3) and its dense cotangent."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from pallas_emb import exchange
+from pallas_emb import kernels
+from pallas_emb import validation
+from pallas_emb.kernels import common
+from pallas_emb.validation import EmbeddingContext
+
+
+def _lookup_per_rank(ctx, backend, table, ids):
+  ids_all = exchange.all_gather_ids(ctx, ids.reshape(-1))
+  rows = kernels.gather_rows(table, ids_all, backend=backend)
+  return exchange.exchange_rows(ctx, rows).reshape(ids.shape + (-1,))
+
+
+def _dense_grad_per_rank(ctx, table, ids, cotangent):
+  ids_all = exchange.all_gather_ids(ctx, ids.reshape(-1))
+  grads = exchange.route_gradients(
+      ctx, cotangent.reshape(ctx.tokens_per_rank, ctx.emb_width))
+  rows = common.wrap_and_clamp(ids_all, table.shape[0])
+  dense = jnp.zeros(table.shape, jnp.float32).at[rows].add(
+      grads.astype(jnp.float32))
+  if ctx.replica_axis:
+    dense = jax.lax.psum(dense, ctx.replica_axis)
+  return dense.astype(table.dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _lookup(ctx, backend, table, token_ids):
+  fn = functools.partial(_lookup_per_rank, ctx, backend)
+  return exchange.shard(
+      ctx, fn,
+      in_specs=(exchange.table_spec(ctx), exchange.token_spec(ctx)),
+      out_specs=exchange.token_spec(ctx))(table, token_ids)
+
+
+def _lookup_fwd(ctx, backend, table, token_ids):
+  return _lookup(ctx, backend, table, token_ids), (table, token_ids)
+
+
+def _lookup_bwd(ctx, backend, residuals, cotangent):
+  del backend
+  table, token_ids = residuals
+  table_ct = exchange.shard(
+      ctx, functools.partial(_dense_grad_per_rank, ctx),
+      in_specs=(exchange.table_spec(ctx), exchange.token_spec(ctx),
+                exchange.token_spec(ctx)),
+      out_specs=exchange.table_spec(ctx))(table, token_ids, cotangent)
+  return table_ct, None
+
+
+_lookup.defvjp(_lookup_fwd, _lookup_bwd)
+
+
+def lookup(ctx: EmbeddingContext, table: jax.Array, token_ids: jax.Array, *,
+           backend: str | None = None) -> jax.Array:
+  """Embeddings `token_ids.shape + (emb_width,)` of a column-sharded table.
+
+  A pure copy of `table[ids]` (negative ids wrapped once, then clamped into
+  the table), sharded like the ids. Differentiable w.r.t. the table: the
+  cotangent is the dense scatter-add, right for any optax optimizer but
+  O(vocab) memory; `apply_gradients` is the sparse path.
+  """
+  validation.check_table(ctx, table)
+  validation.check_token_ids(ctx, token_ids)
+  backend = validation.resolve_backend(ctx, backend)
+  return _lookup(ctx, backend, table, token_ids)

@@ -1,0 +1,174 @@
+"""make_context and the per-call checks: every rule and its message."""
+
+import re
+
+import test_util  # pylint: disable=unused-import  (sets up 8 CPU devices)
+
+from absl.testing import absltest
+from absl.testing import parameterized
+import jax
+import jax.numpy as jnp
+
+import pallas_emb as pe
+from pallas_emb import validation
+
+mesh = test_util.mesh
+
+
+def _ctx(m, table_axis, **kw):
+  args = dict(tokens_per_batch=16, emb_width=8, num_unique=17)
+  args.update(kw)
+  return pe.make_context(m, table_axis, **args)
+
+
+class MakeContextTest(parameterized.TestCase):
+
+  def test_fields(self):
+    ctx = _ctx(mesh({"x": 4}), "x", emb_width=12, tokens_per_batch=32,
+               num_devices_per_node=4)
+    self.assertEqual(ctx.table_axis, ("x",))
+    self.assertEqual(ctx.data_axis, ("x",))
+    self.assertEqual(ctx.group_size, 4)
+    self.assertEqual(ctx.tokens_per_rank, 8)
+    self.assertEqual(ctx.shard_width, 3)
+    self.assertEqual(ctx.emb_width, 12)
+    self.assertEqual(ctx.num_unique, 17)
+    self.assertEqual(ctx.num_devices_per_node, 4)
+    # Frozen and hashable: usable as a static jit argument.
+    hash(ctx)
+    with self.assertRaises(Exception):
+      ctx.emb_width = 4  # pytype: disable=attribute-error
+    f = jax.jit(lambda c, x: x * c.group_size, static_argnums=0)
+    self.assertEqual(int(f(ctx, jnp.int32(2))), 8)
+
+  def test_two_axis_communicator(self):
+    ctx = _ctx(mesh({"a": 2, "b": 4}), ("b", "a"), data_axis=("a", "b"))
+    self.assertEqual(ctx.group_size, 8)
+    self.assertEqual(ctx.table_axis, ("b", "a"))
+    self.assertEqual(ctx.shard_width, 1)
+
+  def test_size_one_extra_data_axis_is_fine(self):
+    m = mesh({"x": 4, "r": 1})
+    ctx = _ctx(m, "x", data_axis=("x", "r"))
+    self.assertEqual(ctx.group_size, 4)
+    self.assertTrue(pe.single_shard_per_rank(m, ("x",), ("x", "r")))
+
+  def test_rule1_axis_not_in_mesh(self):
+    m = mesh({"x": 4})
+    with self.assertRaisesRegex(
+        ValueError,
+        "^" + re.escape(f"pallas_emb axis 'y' is not a mesh axis of {m}")):
+      _ctx(m, "y", data_axis=("x",))
+    with self.assertRaisesRegex(
+        ValueError, re.escape(f"pallas_emb axis 'z' is not a mesh axis of {m}")):
+      _ctx(m, "x", data_axis=("x", "z"))
+
+  def test_rule2_table_axis_missing_from_data_axis(self):
+    m = mesh({"x": 2, "y": 4})
+    with self.assertRaisesRegex(
+        ValueError, "^" + re.escape(
+            "pallas_emb requires token shards to vary across the "
+            "communicator: table_axis ('y',) missing from data_axis ('x',)")):
+      _ctx(m, ("x", "y"), data_axis=("x",))
+
+  def test_rule3_replica_axis_in_data_axis_only(self):
+    # The commonest mistake: scaling out with a data-parallel axis.
+    m = mesh({"replica": 2, "x": 4})
+    expected = ("pallas_emb requires exactly one token shard per "
+                "communicator rank: data_axis ('replica', 'x') shards tokens "
+                "over 2 positions outside table_axis ('x',)")
+    with self.assertRaisesRegex(ValueError, "^" + re.escape(expected)) as cm:
+      _ctx(m, "x", data_axis=("replica", "x"))
+    self.assertIn("replica_axis", str(cm.exception))  # the remedy
+    with self.assertRaisesRegex(ValueError, "^" + re.escape(expected)):
+      pe.check_single_shard_per_rank(m, ("x",), ("replica", "x"))
+    self.assertFalse(pe.single_shard_per_rank(m, ("x",), ("replica", "x")))
+    self.assertTrue(pe.single_shard_per_rank(m, ("x",), ("x",)))
+    pe.check_single_shard_per_rank(m, ("x",), ("x",))
+
+  def test_rule4_uneven_tokens(self):
+    with self.assertRaisesRegex(
+        ValueError, "^" + re.escape(
+            "pallas_emb tokens_per_batch=10 does not shard evenly over the "
+            "4-rank communicator")):
+      _ctx(mesh({"x": 4}), "x", tokens_per_batch=10)
+
+  def test_rule5_uneven_width(self):
+    with self.assertRaisesRegex(
+        ValueError, "^" + re.escape(
+            "pallas_emb emb_width=6 does not shard evenly over the 4-rank "
+            "communicator")):
+      _ctx(mesh({"x": 4}), "x", emb_width=6)
+
+  def test_rules_apply_in_order(self):
+    # Both rule 3 and rule 4 are broken: rule 3 is reported.
+    m = mesh({"replica": 2, "x": 4})
+    with self.assertRaisesRegex(ValueError, "exactly one token shard"):
+      _ctx(m, "x", data_axis=("replica", "x"), tokens_per_batch=10)
+
+  @parameterized.parameters(
+      dict(tokens_per_batch=0), dict(emb_width=-8), dict(num_unique=0),
+      dict(num_unique=2.5), dict(num_devices_per_node=0),
+      dict(tokens_per_batch=True))
+  def test_non_positive_sizes(self, **kw):
+    name = next(iter(kw))
+    with self.assertRaisesRegex(ValueError, f"pallas_emb {name}=.*positive"):
+      _ctx(mesh({"x": 2}), "x", **kw)
+
+  def test_not_a_mesh(self):
+    with self.assertRaisesRegex(ValueError, "needs a jax.sharding.Mesh"):
+      _ctx(jax.devices(), "x")
+
+  def test_axis_named_twice(self):
+    with self.assertRaisesRegex(ValueError, "names an axis twice"):
+      _ctx(mesh({"x": 2}), ("x", "x"))
+
+  def test_replica_axis_overlap(self):
+    with self.assertRaisesRegex(ValueError, "overlaps"):
+      _ctx(mesh({"x": 2}), "x", replica_axis="x")
+
+
+class CallChecksTest(absltest.TestCase):
+
+  def setUp(self):
+    super().setUp()
+    self.ctx = _ctx(mesh({"x": 4}), "x")
+
+  def test_table_shape_and_dtype(self):
+    with self.assertRaisesRegex(
+        ValueError, re.escape("table has shape (10, 6); expected "
+                              "[vocab_rows, 8]")):
+      validation.check_table(self.ctx, jnp.zeros((10, 6)))
+    with self.assertRaisesRegex(ValueError, "table has dtype int32"):
+      validation.check_table(self.ctx, jnp.zeros((10, 8), jnp.int32))
+
+  def test_table_sharding(self):
+    wrong = jax.device_put(jnp.zeros((16, 8)),
+                           jax.sharding.NamedSharding(
+                               self.ctx.mesh, jax.sharding.PartitionSpec("x")))
+    with self.assertRaisesRegex(ValueError, "expected its columns over "
+                                "table_axis"):
+      validation.check_table(self.ctx, wrong)
+    validation.check_table(
+        self.ctx, jax.device_put(jnp.zeros((16, 8)),
+                                 pe.table_sharding(self.ctx)))
+
+  def test_token_ids(self):
+    with self.assertRaisesRegex(ValueError, "token_ids has dtype float32; "
+                                "expected int32"):
+      validation.check_token_ids(self.ctx, jnp.zeros((16,)))
+    with self.assertRaisesRegex(ValueError, re.escape(
+        "token_ids has shape (8,) (8 ids); expected tokens_per_batch=16")):
+      validation.check_token_ids(self.ctx, jnp.zeros((8,), jnp.int32))
+    with self.assertRaisesRegex(ValueError, "leading dimension divides over 4"):
+      validation.check_token_ids(self.ctx, jnp.zeros((2, 8), jnp.int32))
+    validation.check_token_ids(self.ctx, jnp.zeros((4, 4), jnp.int32))
+
+  def test_backend(self):
+    with self.assertRaisesRegex(ValueError, "backend='triton' is not one of"):
+      validation.resolve_backend(self.ctx, "triton")
+    self.assertEqual(validation.resolve_backend(self.ctx, None), "xla")
+
+
+if __name__ == "__main__":
+  absltest.main()
