@@ -1,9 +1,20 @@
 """pallas_emb: column-sharded embedding tables for JAX recommenders."""
 
+from pallas_emb.dedup import dedup
+from pallas_emb.dedup import DedupResult
+from pallas_emb.dedup import default_num_unique
+from pallas_emb.dedup import FILL_VALUE
+from pallas_emb.dedup import raise_if_overflow
+from pallas_emb.dedup import UniqueOverflowError
 from pallas_emb.exchange import replicated_sharding
 from pallas_emb.exchange import table_sharding
 from pallas_emb.exchange import token_sharding
 from pallas_emb.lookup import lookup
+from pallas_emb.optim import apply_gradients
+from pallas_emb.optim import HyperParameterError
+from pallas_emb.optim import RowwiseAdagrad
+from pallas_emb.optim import RowwiseAdagradState
+from pallas_emb.optim import UpdateStats
 from pallas_emb.validation import BACKENDS
 from pallas_emb.validation import check_single_shard_per_rank
 from pallas_emb.validation import EmbeddingContext

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import chex
 import jax
 import jax.numpy as jnp
 
@@ -33,3 +34,77 @@ def round_to(x: jax.Array, dtype) -> jax.Array:
   if jnp.dtype(dtype) == jnp.float32:
     return x
   return x.astype(dtype).astype(jnp.float32)
+
+
+def check_adagrad_args(table, row_state, last_step, unique_tokens, grad_accum,
+                       row_sq, hparams) -> jax.Array:
+  """Shape/dtype checks shared by the Adagrad kernel and its twin.
+
+  Returns `row_sq` as `[U]`: a trailing total slot (the `[U + 1]` output of
+  the segment sum) is dropped.
+  """
+  chex.assert_rank(table, 2)
+  vocab_rows, width = table.shape
+  if table.dtype not in (jnp.float32, jnp.bfloat16):
+    raise TypeError(f"pallas_emb adagrad_apply expects an f32 or bf16 table, "
+                    f"got {table.dtype}.")
+  chex.assert_type([row_state, grad_accum, row_sq],
+                   [jnp.float32, jnp.float32, jnp.float32])
+  chex.assert_type(unique_tokens, jnp.int32)
+  chex.assert_shape(row_state, (vocab_rows,))
+  chex.assert_rank(unique_tokens, 1)
+  (num_unique,) = unique_tokens.shape
+  chex.assert_shape(grad_accum, (num_unique, width))
+  if row_sq.shape == (num_unique + 1,):
+    row_sq = row_sq[:num_unique]
+  chex.assert_shape(row_sq, (num_unique,))
+  if hparams.lazy:
+    if last_step is None:
+      raise ValueError("pallas_emb adagrad_apply: lazy hparams need a "
+                       "last_step array, got None.")
+    chex.assert_type(last_step, jnp.int32)
+    chex.assert_shape(last_step, (vocab_rows,))
+  elif last_step is not None:
+    raise ValueError("pallas_emb adagrad_apply: eager hparams (lazy=False) "
+                     "take last_step=None; pass lazy=True to use it.")
+  return row_sq
+
+
+def adagrad_row_update(row_state, last_step, row_sq, step, learning_rate,
+                       hparams):
+  """Per-row part of DESIGN §4.5: `(accum, wd, lr_scale)`, all f32.
+
+  Shared by the kernel body and its twin so both evaluate the same
+  expressions in the same order (bit-exact on the same backend).
+  `last_step` is None in eager mode.
+  """
+  f32 = jnp.float32
+  has_grad = row_sq > 0
+  if hparams.lazy:
+    delta = jnp.maximum(step - last_step, 0).astype(f32)
+    factor = jnp.exp(f32(-hparams.accum_decay_rate) * delta)
+    wd = jnp.where(has_grad, jnp.exp(f32(-hparams.weight_decay_rate) * delta),
+                   f32(1))
+  else:
+    factor = f32(hparams.decay_factor)
+    wd = jnp.where(has_grad, f32(hparams.weight_decay_factor), f32(1))
+  accum = row_state * factor + row_sq * f32(hparams.inv_width)
+  lr_scale = -learning_rate / (jnp.sqrt(accum) + f32(hparams.eps))
+  return accum, wd, lr_scale
+
+
+def adagrad_new_values(values, wd, lr_scale, grad, dtype) -> jax.Array:
+  """`R(R(values * wd) + R(lr_scale * R(grad)))` in f32, as `dtype`.
+
+  R rounds to the table dtype; `values` and `grad` are f32.
+  """
+  decayed = round_to(values * wd, dtype)
+  delta = round_to(lr_scale * round_to(grad, dtype), dtype)
+  return (decayed + delta).astype(dtype)
+
+
+def row_square_sums(grad_accum: jax.Array, round_dtype) -> jax.Array:
+  """`[U + 1]`: per row `sum_c round(g)**2`, the total in the last slot."""
+  rounded = round_to(grad_accum, round_dtype)
+  row_sq = jnp.sum(rounded * rounded, axis=1)
+  return jnp.concatenate([row_sq, jnp.sum(row_sq, keepdims=True)])

@@ -1,0 +1,1 @@
+"""Framework layers: `pallas_emb.flax` (linen) and `pallas_emb.haiku`."""
