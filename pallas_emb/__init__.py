@@ -15,6 +15,10 @@ from pallas_emb.optim import HyperParameterError
 from pallas_emb.optim import RowwiseAdagrad
 from pallas_emb.optim import RowwiseAdagradState
 from pallas_emb.optim import UpdateStats
+from pallas_emb.pipeline import PipelineMisuse
+from pallas_emb.pipeline import PipelineState
+from pallas_emb.pipeline import TableSpec
+from pallas_emb.pipeline import Trainer
 from pallas_emb.validation import BACKENDS
 from pallas_emb.validation import check_single_shard_per_rank
 from pallas_emb.validation import EmbeddingContext

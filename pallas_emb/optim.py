@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from pallas_emb import dedup as dedup_lib
+from pallas_emb.dedup import DedupResult
 from pallas_emb import exchange
 from pallas_emb import kernels
 from pallas_emb import validation
@@ -182,7 +182,7 @@ def _apply_per_rank(ctx, opt, backend, table, row_state, last_step, step,
 def apply_gradients(ctx: EmbeddingContext, opt: RowwiseAdagrad,
                     table: jax.Array, opt_state: RowwiseAdagradState,
                     emb_grads: jax.Array,
-                    dedup_result: dedup_lib.DedupResult, *,
+                    dedup_result: DedupResult, *,
                     pending: bool | jax.Array = True,
                     backend: str | None = None):
   """One fused sparse row-wise Adagrad step (DESIGN §4).
