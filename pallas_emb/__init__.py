@@ -9,7 +9,10 @@ from pallas_emb.dedup import UniqueOverflowError
 from pallas_emb.exchange import replicated_sharding
 from pallas_emb.exchange import table_sharding
 from pallas_emb.exchange import token_sharding
+from pallas_emb.lookup import count_out_of_range
+from pallas_emb.lookup import IdOutOfRangeError
 from pallas_emb.lookup import lookup
+from pallas_emb.lookup import raise_if_out_of_range
 from pallas_emb.optim import apply_gradients
 from pallas_emb.optim import HyperParameterError
 from pallas_emb.optim import RowwiseAdagrad

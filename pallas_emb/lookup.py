@@ -72,3 +72,32 @@ def lookup(ctx: EmbeddingContext, table: jax.Array, token_ids: jax.Array, *,
   validation.check_token_ids(ctx, token_ids)
   backend = validation.resolve_backend(ctx, backend)
   return _lookup(ctx, backend, table, token_ids)
+
+
+# --- opt-in id checking --------------------------------------------------------
+
+
+class IdOutOfRangeError(ValueError):
+  """Token ids outside [-vocab_rows, vocab_rows) in checking mode."""
+
+
+def count_out_of_range(token_ids: jax.Array, vocab_rows: int) -> jax.Array:
+  """int32 count of ids that wrap-then-clamp would move (checking mode).
+
+  Ids in [-vocab_rows, 0) wrap once onto a real row and are not counted;
+  anything else outside [0, vocab_rows) is clamped by lookup and skipped by
+  the update, which is defined but almost always a bug upstream.
+  """
+  bad = (token_ids < -vocab_rows) | (token_ids >= vocab_rows)
+  return jnp.sum(bad, dtype=jnp.int32)
+
+
+def raise_if_out_of_range(count, vocab_rows: int, what: str = "batch") -> None:
+  """Host-side: raises if `count_out_of_range` found any id."""
+  count = int(jax.device_get(count))
+  if count:
+    raise IdOutOfRangeError(
+        f"pallas_emb {what} has {count} token ids outside [-{vocab_rows}, "
+        f"{vocab_rows}); lookup would clamp them onto row 0 or "
+        f"{vocab_rows - 1} and the update would skip them. Hash or remap ids "
+        "into the table's range.")

@@ -245,8 +245,12 @@ def _shape_dtype(x):
 
 
 def _sharding_of(x):
-  """The committed sharding of a concrete array, else None (tracers)."""
-  if isinstance(x, jax.core.Tracer):
+  """The sharding of a committed concrete array, else None.
+
+  Tracers and uncommitted arrays (e.g. a fresh `jnp.zeros`) are placed by
+  `shard_map` itself, so only a committed placement can be wrong.
+  """
+  if isinstance(x, jax.core.Tracer) or not getattr(x, "_committed", False):
     return None
   return getattr(x, "sharding", None)
 
@@ -257,8 +261,8 @@ def check_table(ctx: EmbeddingContext, table, what: str = "table") -> None:
   if len(shape) != 2 or shape[1] != ctx.emb_width or shape[0] < 1:
     raise ShardingError(
         f"pallas_emb {what} has shape {shape}; expected [vocab_rows, "
-        f"{ctx.emb_width}] (emb_width of the context). Create it with "
-        "pallas_emb.init_table or reshape it.")
+        f"{ctx.emb_width}] (emb_width of the context). Make the context "
+        "with the table's width, or fix the table.")
   if dtype not in TABLE_DTYPES:
     raise ShardingError(
         f"pallas_emb {what} has dtype {dtype}; expected one of "

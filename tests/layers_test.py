@@ -101,9 +101,9 @@ class FlaxEmbedTest(parameterized.TestCase):
         test_util.assert_bits_equal(self, out, expected)
         self.assertTrue(out.sharding.is_equivalent_to(
             pe.token_sharding(ctx), out.ndim))
-        # Unboxed params (nn.Embed's pytree) work too, eagerly.
-        test_util.assert_bits_equal(
-            self, layer.apply(nn.unbox(variables), ids_dev), expected)
+        if backend == "xla":  # Unboxed params (nn.Embed's pytree), eagerly.
+          test_util.assert_bits_equal(
+              self, layer.apply(nn.unbox(variables), ids_dev), expected)
 
   @parameterized.parameters(False, True)
   def test_init_and_partitioning(self, explicit):
@@ -330,7 +330,7 @@ def grads_close(test, ours, theirs):
 
 class TrainingTest(parameterized.TestCase):
 
-  @parameterized.parameters("8ranks", "4ranks", "8ranks_explicit")
+  @parameterized.parameters("8ranks", "8ranks_explicit")
   def test_flax(self, layout):
     ctx = make_ctx(layout, (B, L), shard_width=16 // LAYOUTS[layout][0]["x"])
     ids, ids_dev = in_range_ids(ctx, (B, L), seed=4)

@@ -70,13 +70,28 @@ def check_adagrad_args(table, row_state, last_step, unique_tokens, grad_accum,
   return row_sq
 
 
+def _products(fence: bool, *products):
+  """The products, materialised before they are added when `fence` is set.
+
+  XLA (and Triton) contract `a * b + c` into a fused multiply-add wherever
+  fusion happens to put the two together, which changes the last bit
+  depending on the surrounding program. An optimization barrier forces each
+  product to be rounded on its own, so the twin, the interpret-mode kernel
+  and a plain numpy model agree bit for bit. Triton has no such barrier; the
+  GPU kernel leaves `fence` off and may differ from the twin by an ulp.
+  """
+  if not fence:
+    return products
+  return tuple(jax.lax.reduce_precision(p, exponent_bits=8, mantissa_bits=23)
+               for p in products)
+
+
 def adagrad_row_update(row_state, last_step, row_sq, step, learning_rate,
-                       hparams):
+                       hparams, *, fence: bool = True):
   """Per-row part of DESIGN §4.5: `(accum, wd, lr_scale)`, all f32.
 
   Shared by the kernel body and its twin so both evaluate the same
-  expressions in the same order (bit-exact on the same backend).
-  `last_step` is None in eager mode.
+  expressions in the same order. `last_step` is None in eager mode.
   """
   f32 = jnp.float32
   has_grad = row_sq > 0
@@ -88,23 +103,21 @@ def adagrad_row_update(row_state, last_step, row_sq, step, learning_rate,
   else:
     factor = f32(hparams.decay_factor)
     wd = jnp.where(has_grad, f32(hparams.weight_decay_factor), f32(1))
-  accum = row_state * factor + row_sq * f32(hparams.inv_width)
+  decayed, added = _products(fence, row_state * factor,
+                             row_sq * f32(hparams.inv_width))
+  accum = decayed + added
   lr_scale = -learning_rate / (jnp.sqrt(accum) + f32(hparams.eps))
   return accum, wd, lr_scale
 
 
-def adagrad_new_values(values, wd, lr_scale, grad, dtype) -> jax.Array:
+def adagrad_new_values(values, wd, lr_scale, grad, dtype, *,
+                       fence: bool = True) -> jax.Array:
   """`R(R(values * wd) + R(lr_scale * R(grad)))` in f32, as `dtype`.
 
-  R rounds to the table dtype; `values` and `grad` are f32.
+  R rounds to the table dtype; `values` and `grad` are f32. (For a bf16
+  table the roundings already separate the products from the sum.)
   """
-  decayed = round_to(values * wd, dtype)
-  delta = round_to(lr_scale * round_to(grad, dtype), dtype)
-  return (decayed + delta).astype(dtype)
-
-
-def row_square_sums(grad_accum: jax.Array, round_dtype) -> jax.Array:
-  """`[U + 1]`: per row `sum_c round(g)**2`, the total in the last slot."""
-  rounded = round_to(grad_accum, round_dtype)
-  row_sq = jnp.sum(rounded * rounded, axis=1)
-  return jnp.concatenate([row_sq, jnp.sum(row_sq, keepdims=True)])
+  fence = fence and jnp.dtype(dtype) == jnp.float32
+  decayed, delta = _products(fence, values * wd,
+                             lr_scale * round_to(grad, dtype))
+  return (round_to(decayed, dtype) + round_to(delta, dtype)).astype(dtype)
