@@ -4,7 +4,8 @@ Inside the package, `import flax` still means the real Flax: Python 3 imports
 are absolute, so this module is only ever `pallas_emb.flax`.
 """
 
-if __name__ == "flax":  # Imported as top-level `flax`: pallas_emb/ on sys.path.
+# Imported as the top-level `flax`: pallas_emb/ itself is on sys.path.
+if __name__ == "flax":
   raise ImportError(
       "pallas_emb/flax.py was imported as the top-level module `flax`, "
       "which means the pallas_emb/ package directory itself is on sys.path "

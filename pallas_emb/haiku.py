@@ -4,7 +4,8 @@ Inside the package, `import haiku` still means the real Haiku: Python 3
 imports are absolute, so this module is only ever `pallas_emb.haiku`.
 """
 
-if __name__ == "haiku":  # Imported as top-level `haiku`: pallas_emb/ on sys.path.
+# Imported as the top-level `haiku`: pallas_emb/ itself is on sys.path.
+if __name__ == "haiku":
   raise ImportError(
       "pallas_emb/haiku.py was imported as the top-level module `haiku`, "
       "which means the pallas_emb/ package directory itself is on sys.path "

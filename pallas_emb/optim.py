@@ -154,6 +154,18 @@ class RowwiseAdagrad:
     return RowwiseAdagradState(row_state, last_step, step)
 
 
+def _ordered_sum(x: jax.Array, axes) -> jax.Array:
+  """A psum whose f32 summation order is fixed (rank order).
+
+  An all-reduce's order depends on the collective implementation (in-process,
+  gloo, NCCL), so a psum can differ by an ulp between a 1-process and a
+  multi-process run; gathering and summing locally gives the same bits
+  everywhere, for a payload of only `[ranks, num_unique (+1)]` floats.
+  """
+  axes = axes[0] if len(axes) == 1 else axes
+  return jnp.sum(lax.all_gather(x, axes, axis=0), axis=0)
+
+
 def _row_square_sums(grad_accum: jax.Array, round_dtype) -> jax.Array:
   """`[U + 1]`: per row `sum_c round(g)**2`, the total in the last slot."""
   rounded = common.round_to(grad_accum, round_dtype)
@@ -171,10 +183,10 @@ def _apply_per_rank(ctx, opt, backend, table, row_state, last_step, step,
       backend=backend)
   if ctx.replica_axis:
     # Every replica applies the same update: sum all replicas' rows first.
-    grad_accum = lax.psum(grad_accum, ctx.replica_axis)
+    grad_accum = _ordered_sum(grad_accum, ctx.replica_axis)
     row_sq = _row_square_sums(grad_accum, table.dtype)
   if ctx.group_size > 1:
-    row_sq = lax.psum(row_sq, ctx.table_axis)
+    row_sq = _ordered_sum(row_sq, ctx.table_axis)
   norm = jnp.sqrt(row_sq[ctx.num_unique])
   apply = jnp.isfinite(norm) & pending
   table, row_state, last_step = kernels.adagrad_apply(

@@ -5,7 +5,9 @@ import test_util  # pylint: disable=g-bad-import-order  (8 CPU devices first)
 # tables, and plain jax.grad + optax training with the same gradients.
 
 import functools
-import time
+import os
+import subprocess
+import sys
 
 from absl.testing import absltest
 from absl.testing import parameterized
@@ -111,14 +113,17 @@ class FlaxEmbedTest(parameterized.TestCase):
     ids, ids_dev = in_range_ids(ctx, (16,))
     layer = pe_flax.Embed(64, ctx.emb_width, ctx, backend="xla")
     abstract = jax.eval_shape(layer.init, jax.random.key(0), ids_dev)
-    self.assertEqual(nn.get_partition_spec(abstract),
-                     {"params": {"embedding": jax.sharding.PartitionSpec(None, "x")}})
-    # Flax's recipe: jit(init, out_shardings=nn.get_sharding(...)).
+    self.assertEqual(
+        nn.get_partition_spec(abstract),
+        {"params": {"embedding": jax.sharding.PartitionSpec(None, "x")}})
+    key = jax.random.key(0)
+    # Flax's recipe, jit(init, out_shardings=nn.get_sharding(...)); plain jit;
+    # eager init: all give the column-sharded table.
     shardings = nn.get_sharding(abstract, ctx.mesh)
-    for variables in (jax.jit(layer.init, out_shardings=shardings)(
-        jax.random.key(0), ids_dev), jax.jit(layer.init)(
-            jax.random.key(0), ids_dev), layer.init(jax.random.key(0),
-                                                    ids_dev)):
+    for variables in (jax.jit(layer.init, out_shardings=shardings)(key,
+                                                                   ids_dev),
+                      jax.jit(layer.init)(key, ids_dev),
+                      layer.init(key, ids_dev)):
       table = variables["params"]["embedding"].value
       self.assertEqual(table.shape, (64, ctx.emb_width))
       self.assertEqual(table.dtype, jnp.float32)
@@ -396,14 +401,28 @@ class TrainingTest(parameterized.TestCase):
 class ShadowingTest(absltest.TestCase):
 
   def test_package_modules_do_not_shadow_frameworks(self):
-    import flax  # pylint: disable=g-import-not-at-top
-    from pallas_emb.layers import flax as layers_flax  # pylint: disable=g-import-not-at-top
-    from pallas_emb.layers import haiku as layers_haiku  # pylint: disable=g-import-not-at-top
+    # pylint: disable=g-import-not-at-top
+    import flax
+    from pallas_emb.layers import flax as layers_flax
+    from pallas_emb.layers import haiku as layers_haiku
+    # pylint: enable=g-import-not-at-top
     self.assertIs(layers_flax.nn, flax.linen)
     self.assertIs(layers_haiku.hk, hk)
     self.assertIs(pe_flax.Embed, layers_flax.Embed)
     self.assertIs(pe_haiku.Embed, layers_haiku.Embed)
     self.assertNotIn("pallas_emb", flax.__file__)
+    self.assertNotIn("pallas_emb", hk.__file__)
+
+  def test_package_dir_on_sys_path_is_a_clear_error(self):
+    package_dir = os.path.dirname(pe.__file__)
+    for name in ("flax", "haiku"):
+      result = subprocess.run(
+          [sys.executable, "-c", f"import {name}"], capture_output=True,
+          text=True, check=False,
+          env=dict(os.environ, PYTHONPATH=package_dir))
+      self.assertNotEqual(result.returncode, 0)
+      self.assertIn(f"was imported as the top-level module `{name}`",
+                    result.stderr)
 
 
 if __name__ == "__main__":

@@ -11,9 +11,9 @@ as for `hk.Embed`), shape `[vocab_size, embed_dim]`, default initializer
 values as `hk.Embed`.
 
 Sharding: Haiku params carry no sharding metadata, so the layer places the
-table itself: its initializer puts the value on `pallas_emb.table_sharding(ctx)`,
-and `transformed.init(...)` (eager or under `jax.jit`) returns the embeddings
-column-sharded. Params that come from elsewhere (a checkpoint, `hk.Embed`'s
+table itself: its initializer puts the value on
+`pallas_emb.table_sharding(ctx)`, and `transformed.init(...)` (eager or under
+`jax.jit`) returns the embeddings column-sharded. Params that come from elsewhere (a checkpoint, `hk.Embed`'s
 init) are placed with `shard_params(ctx, params)`, i.e.
 `jax.device_put(leaf, pallas_emb.table_sharding(ctx))` on each table leaf.
 Under `jax.jit` any placement works (the lookup reshards); an eager `apply`
