@@ -48,8 +48,7 @@ class AdagradConfig:
 
 def _adagrad_kernel(apply_ref, step_ref, lr_ref, tokens_ref, grad_ref,
                     row_sq_ref, table_ref, state_ref, *refs, hparams,
-                    num_unique, vocab_rows, width, block_rows, block_cols,
-                    interpret):
+                    num_unique, vocab_rows, width, block_rows, block_cols):
   if hparams.lazy:
     last_ref, table_out, state_out, last_out = refs
   else:
@@ -71,7 +70,7 @@ def _adagrad_kernel(apply_ref, step_ref, lr_ref, tokens_ref, grad_ref,
   last = (None if last_ref is None
           else plgpu.load(last_ref.at[rows], mask=ok, other=0))
   accum, wd, lr_scale = common.adagrad_row_update(
-      state, last, row_sq, step, lr_ref[0], hparams, fence=interpret)
+      state, last, row_sq, step, lr_ref[0], hparams)
 
   cols = jnp.arange(block_cols)
   tile_ok = ok[:, None] & (cols < width)[None, :]
@@ -83,7 +82,7 @@ def _adagrad_kernel(apply_ref, step_ref, lr_ref, tokens_ref, grad_ref,
   grad = plgpu.load(grad_ref.at[grad_at], mask=tile_ok, other=0)
   new_values = common.adagrad_new_values(
       values.astype(jnp.float32), wd[:, None], lr_scale[:, None], grad,
-      table_ref.dtype, fence=interpret)
+      table_ref.dtype)
 
   plgpu.store(table_out.at[table_at], new_values, mask=tile_ok)
   plgpu.store(state_out.at[rows], accum, mask=ok)
@@ -141,7 +140,7 @@ def adagrad_apply(table: jax.Array, row_state: jax.Array,
   kernel = functools.partial(
       _adagrad_kernel, hparams=hparams, num_unique=num_unique,
       vocab_rows=vocab_rows, width=width, block_rows=config.block_rows,
-      block_cols=pl.next_power_of_2(width), interpret=interpret)
+      block_cols=pl.next_power_of_2(width))
   outs = pl.pallas_call(
       kernel,
       out_shape=tuple(out_shape),

@@ -70,24 +70,22 @@ def check_adagrad_args(table, row_state, last_step, unique_tokens, grad_accum,
   return row_sq
 
 
-def _products(fence: bool, *products):
-  """The products, materialised before they are added when `fence` is set.
+def unfused_product(x: jax.Array, y: jax.Array) -> jax.Array:
+  """`x * y` rounded to f32 on its own, never contracted into an FMA.
 
-  XLA (and Triton) contract `a * b + c` into a fused multiply-add wherever
-  fusion happens to put the two together, which changes the last bit
-  depending on the surrounding program. An optimization barrier forces each
-  product to be rounded on its own, so the twin, the interpret-mode kernel
-  and a plain numpy model agree bit for bit. Triton has no such barrier; the
-  GPU kernel leaves `fence` off and may differ from the twin by an ulp.
+  XLA:CPU always lets LLVM contract `a * b + c` into a fused multiply-add
+  (and NVPTX does too), and which product gets fused depends on how the
+  surrounding program was fused: the last bit would then differ between the
+  twin, the interpret-mode kernel and the same twin inside a larger jit. A
+  select on the product (NaN canonicalisation, otherwise the identity) is
+  opaque to the contraction, so every backend rounds the product itself.
   """
-  if not fence:
-    return products
-  return tuple(jnp.where(jnp.isnan(p), jnp.float32(jnp.nan), p)
-               for p in products)
+  p = x * y
+  return jnp.where(jnp.isnan(p), jnp.float32(jnp.nan), p)
 
 
 def adagrad_row_update(row_state, last_step, row_sq, step, learning_rate,
-                       hparams, *, fence: bool = True):
+                       hparams):
   """Per-row part of DESIGN §4.5: `(accum, wd, lr_scale)`, all f32.
 
   Shared by the kernel body and its twin so both evaluate the same
@@ -103,21 +101,17 @@ def adagrad_row_update(row_state, last_step, row_sq, step, learning_rate,
   else:
     factor = f32(hparams.decay_factor)
     wd = jnp.where(has_grad, f32(hparams.weight_decay_factor), f32(1))
-  decayed, added = _products(fence, row_state * factor,
-                             row_sq * f32(hparams.inv_width))
-  accum = decayed + added
+  accum = (unfused_product(row_state, factor)
+           + unfused_product(row_sq, f32(hparams.inv_width)))
   lr_scale = -learning_rate / (jnp.sqrt(accum) + f32(hparams.eps))
   return accum, wd, lr_scale
 
 
-def adagrad_new_values(values, wd, lr_scale, grad, dtype, *,
-                       fence: bool = True) -> jax.Array:
+def adagrad_new_values(values, wd, lr_scale, grad, dtype) -> jax.Array:
   """`R(R(values * wd) + R(lr_scale * R(grad)))` in f32, as `dtype`.
 
-  R rounds to the table dtype; `values` and `grad` are f32. (For a bf16
-  table the roundings already separate the products from the sum.)
+  R rounds to the table dtype; `values` and `grad` are f32.
   """
-  fence = fence and jnp.dtype(dtype) == jnp.float32
-  decayed, delta = _products(fence, values * wd,
-                             lr_scale * round_to(grad, dtype))
-  return (round_to(decayed, dtype) + round_to(delta, dtype)).astype(dtype)
+  decayed = round_to(unfused_product(values, wd), dtype)
+  delta = round_to(unfused_product(lr_scale, round_to(grad, dtype)), dtype)
+  return (decayed + delta).astype(dtype)

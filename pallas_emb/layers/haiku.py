@@ -13,11 +13,14 @@ values as `hk.Embed`.
 Sharding: Haiku params carry no sharding metadata, so the layer places the
 table itself: its initializer puts the value on
 `pallas_emb.table_sharding(ctx)`, and `transformed.init(...)` (eager or under
-`jax.jit`) returns the embeddings column-sharded. Params that come from elsewhere (a checkpoint, `hk.Embed`'s
-init) are placed with `shard_params(ctx, params)`, i.e.
+`jax.jit`) returns the embeddings column-sharded. Params that come from
+elsewhere (a checkpoint, `hk.Embed`'s init) are placed with
+`shard_params(ctx, params)`, i.e.
 `jax.device_put(leaf, pallas_emb.table_sharding(ctx))` on each table leaf.
-Under `jax.jit` any placement works (the lookup reshards); an eager `apply`
-with a table that is not column-sharded raises a clear error.
+Under `jax.jit` any placement works (the lookup reshards); so does an eager
+`apply` with an uncommitted table (e.g. fresh from `hk.Embed`'s init), which
+is resharded; an eager `apply` with a table committed to another sharding
+raises a clear error.
 """
 
 from __future__ import annotations

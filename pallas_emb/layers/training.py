@@ -50,9 +50,9 @@ import jax
 import jax.numpy as jnp
 
 from pallas_emb import exchange
-from pallas_emb import lookup as lookup_lib
 from pallas_emb import pipeline
 from pallas_emb.layers.flax import Embed
+from pallas_emb.lookup import lookup
 from pallas_emb.pipeline import PipelineState
 from pallas_emb.pipeline import TableSpec
 
@@ -209,7 +209,7 @@ class FlaxTrainer:
     Looks each table up from `batch[feature]`; jit it for evaluation.
     """
     embeddings = {
-        key: lookup_lib.lookup(spec.ctx, state.tables[key].table,
+        key: lookup(spec.ctx, state.tables[key].table,
                                batch[spec.feature], backend=self.backend)
         for key, spec in self.tables.items()}
     return self._run(state.dense_params, embeddings, batch)
@@ -219,12 +219,23 @@ class FlaxTrainer:
   def init(self, params, first_batch=None) -> PipelineState:
     """The initial state from the model's params (pipelined: + first batch)."""
     tables, dense = self.split(params)
-    return self.trainer.init(tables, dense, first_batch)
+    return self.init_from(tables, dense, first_batch)
 
   def init_from(self, tables: Mapping[str, jax.Array], dense_params,
                 first_batch=None) -> PipelineState:
     """`pallas_emb.Trainer.init` on tables and dense params already split."""
-    return self.trainer.init(tables, dense_params, first_batch)
+    state = self.trainer.init(tables, dense_params, first_batch)
+    # Leaves made on one device (optax counters, flags) are replicated over
+    # the mesh, as the step's outputs are: else step 2 compiles again.
+    mesh = next(iter(self.tables.values())).ctx.mesh
+    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+
+    def commit(x):
+      if isinstance(getattr(x, "sharding", None),
+                    jax.sharding.SingleDeviceSharding) and mesh.size > 1:
+        return jax.device_put(x, replicated)
+      return x
+    return jax.tree.map(commit, state)
 
   def step(self, state: PipelineState, batch, next_batch=None):
     """`pallas_emb.Trainer.step`: jit it with `donate_argnums=0`."""
