@@ -45,6 +45,18 @@ def replicated_sharding(ctx: EmbeddingContext) -> NamedSharding:
   return NamedSharding(ctx.mesh, P())
 
 
+def place(x: jax.Array, sharding: NamedSharding) -> jax.Array:
+  """Puts x on `sharding`, eagerly or inside jit, Auto or Explicit axes."""
+  axis_types = dict(zip(sharding.mesh.axis_names, sharding.mesh.axis_types))
+  names = [a for part in sharding.spec if part is not None
+           for a in ((part,) if isinstance(part, str) else part)]
+  if any(axis_types[a] == jax.sharding.AxisType.Explicit for a in names):
+    return jax.device_put(x, sharding)
+  # Inside jit on Auto axes device_put does not fix the output's sharding;
+  # a sharding constraint does (and works eagerly too).
+  return jax.lax.with_sharding_constraint(x, sharding)
+
+
 def shard(ctx: EmbeddingContext, fn, in_specs, out_specs):
   """`shard_map` over the context's mesh.
 

@@ -43,18 +43,6 @@ default_embed_init = nn.initializers.variance_scaling(
     1.0, "fan_in", "normal", out_axis=0)
 
 
-def _place(x: Array, sharding: jax.sharding.NamedSharding) -> Array:
-  """Puts x on `sharding`, eagerly or inside jit, Auto or Explicit axes."""
-  axis_types = dict(zip(sharding.mesh.axis_names, sharding.mesh.axis_types))
-  names = [a for part in sharding.spec if part is not None
-           for a in ((part,) if isinstance(part, str) else part)]
-  if any(axis_types[a] == jax.sharding.AxisType.Explicit for a in names):
-    return jax.device_put(x, sharding)
-  # Inside jit on Auto axes device_put does not fix the output's sharding;
-  # a sharding constraint does (and works eagerly too).
-  return jax.lax.with_sharding_constraint(x, sharding)
-
-
 def _placed_init(init: Initializer, ctx: EmbeddingContext) -> Initializer:
   def placed(*args, **kwargs):
     value = init(*args, **kwargs)
@@ -63,7 +51,7 @@ def _placed_init(init: Initializer, ctx: EmbeddingContext) -> Initializer:
           "pallas_emb.flax.Embed adds the column partitioning itself; pass "
           "the plain initializer as embedding_init, not one wrapped with "
           "nn.with_partitioning.")
-    return _place(value, exchange.table_sharding(ctx))
+    return exchange.place(value, exchange.table_sharding(ctx))
   return placed
 
 

@@ -38,18 +38,6 @@ from pallas_emb.validation import EmbeddingContext
 Array = jax.Array
 
 
-def _place(x: Array, sharding: jax.sharding.NamedSharding) -> Array:
-  """Puts x on `sharding`, eagerly or inside jit, Auto or Explicit axes."""
-  axis_types = dict(zip(sharding.mesh.axis_names, sharding.mesh.axis_types))
-  names = [a for part in sharding.spec if part is not None
-           for a in ((part,) if isinstance(part, str) else part)]
-  if any(axis_types[a] == jax.sharding.AxisType.Explicit for a in names):
-    return jax.device_put(x, sharding)
-  # Inside jit on Auto axes device_put does not fix the output's sharding;
-  # a sharding constraint does (and works eagerly too).
-  return jax.lax.with_sharding_constraint(x, sharding)
-
-
 class Embed(hk.Module):
   """Embedding module with a column-sharded table; `hk.Embed`'s convention.
 
@@ -114,7 +102,7 @@ class Embed(hk.Module):
     self.backend = backend
 
   def _init(self, shape, dtype):
-    return _place(self.w_init(shape, dtype), exchange.table_sharding(self.ctx))
+    return exchange.place(self.w_init(shape, dtype), exchange.table_sharding(self.ctx))
 
   @property
   def embeddings(self) -> Array:
