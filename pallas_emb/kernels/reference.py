@@ -42,7 +42,11 @@ def adagrad_apply(table, row_state, last_step, unique_tokens, grad_accum,
   Skipped slots (apply false, fill values, tokens outside the table) scatter
   to row V, which `mode="drop"` drops, so under donation XLA updates the
   buffers in place. A bf16 table is scattered through a uint16 view: XLA:CPU
-  would otherwise convert the whole table to f32 and back for the scatter.
+  would otherwise convert the whole table to f32 and back for the scatter
+  (an f32 temporary twice the table's size). Known limit (jax 0.10): XLA:CPU
+  still runs the two same-width `bitcast-convert`s as loops over the table,
+  so a bf16 step costs two table-sized passes on CPU where an f32 table
+  costs O(U * S); GPU and the Pallas kernel are not affected.
   """
   vocab_rows, _ = table.shape
   row_sq = common.check_adagrad_args(table, row_state, last_step,
