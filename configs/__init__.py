@@ -57,7 +57,7 @@ class TrainConfig:
       0.0, "RowwiseAdagrad decoupled weight decay per update.")
   emb_half_life: float = _field(
       0.0, "RowwiseAdagrad accumulator half-life in steps; 0: none.")
-  dense_lr: float = _field(1e-2, "optax.adam learning rate of the dense params.")
+  dense_lr: float = _field(1e-2, "optax.adam learning rate of dense params.")
   pipelined: bool = _field(
       True, "Pipelined one-step-stale step (else synchronous).")
   backend: str = _field(
@@ -73,10 +73,17 @@ class TrainConfig:
   eval_every: int = _field(
       0, "Steps between test evaluations (the test curve); 0: every epoch.")
   metrics_out: str = _field("", "Write metrics JSON here ('': don't).")
-  plot_out: str = _field("", "Draw train/test curves into this PNG ('': don't).")
+  plot_out: str = _field("", "Draw the train/test curves into this PNG.")
   checkpoint_dir: str = _field(
       "", "Save tables, optimizer state and dense params here at the end; "
       "resume from the latest checkpoint there when present.")
   distributed: bool = _field(
       False, "Call jax.distributed.initialize() and train over the devices "
-      "of all processes.")
+      "of all processes (CPU processes talk over gloo).")
+  coordinator_address: str = _field(
+      "", "With --distributed: host:port of process 0; '': auto-detect "
+      "(SLURM, Cloud TPU, ...).")
+  num_processes: int = _field(
+      0, "With --distributed: number of processes; 0: auto-detect.")
+  process_id: int = _field(
+      -1, "With --distributed: this process's index; -1: auto-detect.")

@@ -1,8 +1,8 @@
 """Train a biased matrix factorisation with sharded tables: the training binary.
 
     python -m pallas_emb.train --config=configs/tiny.py
-    python -m pallas_emb.train --config=configs/movielens.py --split_seed=3 \
-        --metrics_out=/tmp/ml.json --plot_out=/tmp/ml.png
+    python -m pallas_emb.train --config=configs/movielens.py --split_seed=3
+    python -m pallas_emb.train --config=configs/large.py --help
 
 A config is a python file whose `get_config()` returns a `configs.TrainConfig`;
 every field is a flag (`--<field>=value`, see `--help`) defaulting to the
@@ -36,7 +36,8 @@ def _simulate_cpu_devices(count: int = 8) -> None:
   """Gives the CPU platform `count` devices unless XLA_FLAGS already says."""
   xla_flags = os.environ.get("XLA_FLAGS", "")
   if _DEVICE_COUNT_FLAG not in xla_flags:
-    os.environ["XLA_FLAGS"] = f"{xla_flags} {_DEVICE_COUNT_FLAG}={count}".strip()
+    os.environ["XLA_FLAGS"] = (
+        f"{xla_flags} {_DEVICE_COUNT_FLAG}={count}".strip())
 
 
 _simulate_cpu_devices()  # Before jax is imported.
@@ -48,10 +49,11 @@ import itertools
 import json
 import math
 import time
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 from absl import app
 from absl import flags
+from absl import logging
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -88,7 +90,7 @@ class ConfigError(ValueError):
   """A config that cannot be run (bad file, bad value)."""
 
 
-# --- config file + flags -------------------------------------------------------
+# --- config file + flags -----------------------------------------------------
 
 
 def load_config(path: str) -> TrainConfig:
@@ -184,7 +186,7 @@ def check_config(config: TrainConfig) -> None:
                       "nothing to train.")
 
 
-# --- data ------------------------------------------------------------------------
+# --- data --------------------------------------------------------------------
 
 
 def load_data(config: TrainConfig) -> tuple[data.Dataset, data.Dataset]:
@@ -211,7 +213,7 @@ def _place(batch: dict[str, np.ndarray], sharding) -> dict[str, jax.Array]:
           for k, v in batch.items()}
 
 
-# --- the model -------------------------------------------------------------------
+# --- the model ---------------------------------------------------------------
 
 
 def _factor_init(scale: float):
@@ -260,7 +262,7 @@ def make_loss(l2: float) -> Callable:
   return loss
 
 
-# --- training --------------------------------------------------------------------
+# --- training ----------------------------------------------------------------
 
 
 def _fmt_time(seconds: float) -> str:
@@ -352,7 +354,7 @@ def train(config: TrainConfig, log: Callable[[str], None] = print) -> dict:
   check_config(config)
   train_ds, test_ds = load_data(config)
   run = build(config, train_ds, test_ds)
-  trainer, mesh = run.trainer, run.mesh
+  trainer = run.trainer
   sharding = pe.token_sharding(run.contexts["user"])
   is_main = jax.process_index() == 0
   log = log if is_main else (lambda _: None)
@@ -404,13 +406,18 @@ def train(config: TrainConfig, log: Callable[[str], None] = print) -> dict:
     return (jnp.sum(weight * (pred - batch[data.LABEL_KEY]) ** 2),
             jnp.sum(weight))
 
+  eval_seconds = 0.0
+
   def evaluate(state) -> float:
+    nonlocal eval_seconds
+    t0 = time.perf_counter()
     if config.pipelined:  # Evaluate with the staged update applied.
       state, _ = flush_fn(state)
     sq, count = 0.0, 0.0
     for batch in data.eval_batches(test_ds, batch_size):
       s, c = eval_fn(state, _place(batch, sharding))
       sq, count = sq + float(s), count + float(c)
+    eval_seconds += time.perf_counter() - t0
     return sq / count
 
   train_curve, test_curve = [], []
@@ -438,6 +445,14 @@ def train(config: TrainConfig, log: Callable[[str], None] = print) -> dict:
     train_curve.append((step, mse))
     return mse
 
+  # XLA:CPU runs each simulated device's part of a program as soon as that
+  # device's inputs are ready, so with several steps queued a fast device
+  # can enter step t+1's collective while others are still in step t; with
+  # few CPU cores the worker pool fills with such waiters and the rendezvous
+  # deadlocks ("Expected 8 threads to join the rendezvous"). On CPU we
+  # therefore finish each step before dispatching the next (~1 ms/step).
+  sync_each_step = platform == "cpu" and jax.device_count() > 1
+
   t_start = time.perf_counter()
   t_first = None  # after the first (compiling) step
   step = start
@@ -453,13 +468,16 @@ def train(config: TrainConfig, log: Callable[[str], None] = print) -> dict:
         current = _place(next(stream), sharding)
     window.append(metrics)
     step += 1
+    if sync_each_step:
+      jax.block_until_ready(metrics.loss)
     if t_first is None:
       jax.block_until_ready(metrics.loss)
       t_first, first_step = time.perf_counter(), step
     if step % config.log_every == 0 or step == total_steps:
       mse = host_check(step)
       now = time.perf_counter()
-      rate = ((step - first_step) * batch_size / (now - t_first)
+      rate = ((step - first_step) * batch_size /
+              (now - t_first - eval_seconds)
               if step > first_step else float("nan"))
       eta = ((total_steps - step) * batch_size / rate
              if rate == rate and rate > 0 else 0.0)
@@ -469,15 +487,15 @@ def train(config: TrainConfig, log: Callable[[str], None] = print) -> dict:
       test_curve.append((step, evaluate(state)))
       log(f"step {step:>7d}  test_mse {test_curve[-1][1]:.4f}  "
           f"test_rmse {math.sqrt(test_curve[-1][1]):.4f}")
-  if window:
-    host_check(step)
+  jax.block_until_ready(state)
+  t_end = time.perf_counter()
   if config.pipelined:  # The last staged update.
     state, stats = jax.jit(trainer.flush, donate_argnums=0)(state)
     check_updates(jax.device_get(stats))
-  jax.block_until_ready(state)
-  t_end = time.perf_counter()
   timed_steps = step - first_step if t_first is not None else 0
-  throughput = (timed_steps * batch_size / (t_end - t_first)
+  # Training only: without the first (compiling) step and the evaluations.
+  throughput = (timed_steps * batch_size /
+                (t_end - t_first - eval_seconds)
                 if timed_steps else float("nan"))
   if not test_curve:  # Resumed at or past total_steps: nothing trained.
     test_curve.append((step, evaluate(state)))
@@ -499,8 +517,9 @@ def train(config: TrainConfig, log: Callable[[str], None] = print) -> dict:
       "processes": jax.process_count(),
       "steps": step,
       "resumed_from_step": start,
-      "train_seconds": t_end - t_start,
-      "examples_per_sec": throughput,
+      "train_seconds": t_end - t_start - eval_seconds,
+      "eval_seconds": eval_seconds,
+      "examples_per_sec": throughput if timed_steps else None,
       "test_loss": test_mse,
       "test_rmse": math.sqrt(test_mse),
       "label_floor": train_ds.label_floor,
@@ -508,8 +527,9 @@ def train(config: TrainConfig, log: Callable[[str], None] = print) -> dict:
       "train_curve": [{"step": s, "train_mse": v} for s, v in train_curve],
       "test_curve": [{"step": s, "test_mse": v} for s, v in test_curve],
   }
-  log(f"done: {step} steps in {_fmt_time(t_end - t_start)} "
-      f"({throughput:,.0f} examples/s after compile); test_mse "
+  log(f"done: {step} steps in {_fmt_time(t_end - t_start - eval_seconds)} "
+      f"(+{eval_seconds:.1f}s eval; {throughput:,.0f} examples/s after "
+      f"compile); test_mse "
       f"{test_mse:.4f} test_rmse {math.sqrt(test_mse):.4f}"
       + (f" (noise floor {train_ds.label_floor:.4f})"
          if train_ds.label_floor is not None else "")
@@ -557,19 +577,37 @@ def plot_curves(path: str, metrics: dict) -> str:
   return f"wrote {path}"
 
 
-# --- entry point -----------------------------------------------------------------
+# --- entry point -------------------------------------------------------------
 
 _ERRORS = (data.DataError, ConfigError, pe.ShardingError,
            pe.HyperParameterError, checkpoint.CheckpointError)
+
+
+def initialize_distributed(config: TrainConfig) -> None:
+  """`jax.distributed.initialize` from the config ('' / 0 / -1: auto)."""
+  if "JAX_CPU_COLLECTIVES_IMPLEMENTATION" not in os.environ:
+    # Cross-process collectives of CPU devices; GPUs use NCCL regardless.
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+  kwargs = {}
+  if config.coordinator_address:
+    kwargs["coordinator_address"] = config.coordinator_address
+  if config.num_processes:
+    kwargs["num_processes"] = config.num_processes
+  if config.process_id >= 0:
+    kwargs["process_id"] = config.process_id
+  jax.distributed.initialize(**kwargs)
 
 
 def _main(argv: list[str]) -> int:
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments {argv[1:]}")
   config = config_from_flags()
+  if not flags.FLAGS["verbosity"].present:
+    # Quiet the INFO chatter of jax and orbax; --verbosity=0 brings it back.
+    logging.set_verbosity(logging.WARNING)
   try:
     if config.distributed:
-      jax.distributed.initialize()
+      initialize_distributed(config)
     train(config)
   except _ERRORS as e:
     print(f"error: {e}", file=sys.stderr)

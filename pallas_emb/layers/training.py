@@ -8,12 +8,13 @@ dense table gradient is ever built::
 
     trainer = FlaxTrainer(
         model,
-        tables={"user_embed": pe.TableSpec(ctx, pe.RowwiseAdagrad(0.1), "user")},
+        tables={"user_embed": pe.TableSpec(ctx, pe.RowwiseAdagrad(0.1),
+                                           "user")},
         loss=lambda outputs, batch: (jnp.mean((outputs - batch["y"]) ** 2), {}),
         dense_optimizer=optax.adam(1e-3))
     state = trainer.init(params, first_batch)        # params from model.init
     step = jax.jit(trainer.step, donate_argnums=0)
-    state, metrics = step(state, batch, next_batch)  # next_batch: pipelined only
+    state, metrics = step(state, batch, next_batch)  # next: pipelined only
     state, _ = trainer.flush(state)                  # pipelined: last update
     outputs = jax.jit(trainer.apply)(state, batch)   # eval forward
     params = trainer.params(state)                   # a plain flax params tree
@@ -32,6 +33,10 @@ The contract:
     `apply_fn(variables, batch)` to call it differently. Only the "params"
     collection is supported (no mutable state, no rngs).
   * `loss(outputs, batch) -> (loss, aux)` (or just `loss`).
+
+On XLA:CPU with several simulated devices, wait for each step (e.g.
+`jax.block_until_ready(metrics.loss)`) before dispatching the next: many
+queued steps can deadlock the in-process collectives (see pallas_emb/train.py).
 
 How: the params are split into the tables (each listed Embed's `embedding`
 leaf) and the dense rest; the model runs on the dense rest under
@@ -107,6 +112,9 @@ class FlaxTrainer:
     self.trainer = pipeline.Trainer(self.tables, self._loss_fn,
                                     dense_optimizer, pipelined=pipelined,
                                     backend=backend)
+    # Jitted: eager shard_maps would compile op by op (seconds each).
+    self._init = jax.jit(self._init_fn)
+    self._flush = jax.jit(self.trainer.flush)
 
   @property
   def pipelined(self) -> bool:
@@ -206,41 +214,48 @@ class FlaxTrainer:
   def apply(self, state: PipelineState, batch):
     """The model's outputs on `batch` with the state's tables (no update).
 
-    Looks each table up from `batch[feature]`; jit it for evaluation.
+    Looks each table up from `batch[feature]`; jit it for evaluation. A
+    pipelined state's tables lack the staged update: evaluate
+    `flush(state)[0]` for the latest tables.
     """
     embeddings = {
-        key: lookup(spec.ctx, state.tables[key].table,
-                               batch[spec.feature], backend=self.backend)
+        key: lookup(spec.ctx, state.tables[key].table, batch[spec.feature],
+                    backend=self.backend)
         for key, spec in self.tables.items()}
     return self._run(state.dense_params, embeddings, batch)
 
   # --- the train step (pallas_emb.Trainer) ------------------------------------
 
+  def _init_fn(self, tables, dense_params, first_batch):
+    state = self.trainer.init(tables, dense_params, first_batch)
+    if state.staged is None:
+      return state
+    # Under jit the staged zero gradients would come out replicated; pin
+    # them to the token sharding the step returns, so step 2 does not
+    # compile again.
+    return state._replace(staged={
+        key: staged._replace(emb_grads=exchange.place(
+            staged.emb_grads, exchange.token_sharding(self.tables[key].ctx)))
+        for key, staged in state.staged.items()})
+
   def init(self, params, first_batch=None) -> PipelineState:
-    """The initial state from the model's params (pipelined: + first batch)."""
+    """The initial state from the model's params (pipelined: + first batch).
+
+    The state may share buffers with `params`, and the step donates it:
+    pass copies if you still need `params` afterwards.
+    """
     tables, dense = self.split(params)
     return self.init_from(tables, dense, first_batch)
 
   def init_from(self, tables: Mapping[str, jax.Array], dense_params,
                 first_batch=None) -> PipelineState:
     """`pallas_emb.Trainer.init` on tables and dense params already split."""
-    state = self.trainer.init(tables, dense_params, first_batch)
-    # Leaves made on one device (optax counters, flags) are replicated over
-    # the mesh, as the step's outputs are: else step 2 compiles again.
-    mesh = next(iter(self.tables.values())).ctx.mesh
-    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-
-    def commit(x):
-      if isinstance(getattr(x, "sharding", None),
-                    jax.sharding.SingleDeviceSharding) and mesh.size > 1:
-        return jax.device_put(x, replicated)
-      return x
-    return jax.tree.map(commit, state)
+    return self._init(dict(tables), dense_params, first_batch)
 
   def step(self, state: PipelineState, batch, next_batch=None):
     """`pallas_emb.Trainer.step`: jit it with `donate_argnums=0`."""
     return self.trainer.step(state, batch, next_batch)
 
   def flush(self, state: PipelineState):
-    """`pallas_emb.Trainer.flush`: apply the last staged update."""
-    return self.trainer.flush(state)
+    """`pallas_emb.Trainer.flush`: apply the last staged update (jitted)."""
+    return self._flush(state)
