@@ -15,5 +15,6 @@ if __name__ == "flax":
 # pylint: disable=g-importing-member,unused-import
 from pallas_emb.layers.flax import default_embed_init
 from pallas_emb.layers.flax import Embed
+from pallas_emb.layers.training import FlaxTrainer
 
-__all__ = ["Embed", "default_embed_init"]
+__all__ = ["Embed", "FlaxTrainer", "default_embed_init"]

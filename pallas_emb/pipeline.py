@@ -22,12 +22,17 @@ import jax.numpy as jnp
 
 from pallas_emb.dedup import dedup
 from pallas_emb.dedup import DedupResult
+from pallas_emb.exchange import replicated_sharding
 from pallas_emb.lookup import lookup
 from pallas_emb import optim
 from pallas_emb.validation import EmbeddingContext
 
 LossFn = Callable[[Any, Mapping[str, jax.Array], Mapping[str, jax.Array]],
                   tuple[jax.Array, Any]]
+
+
+def _replicated_false(ctx: EmbeddingContext) -> jax.Array:
+  return jax.device_put(jnp.asarray(False), replicated_sharding(ctx))
 
 
 class PipelineMisuse(ValueError):
@@ -147,9 +152,10 @@ class Trainer:
     prefetched = self._prefetch(table_states, first_batch)
     # The first update is a no-op: zero gradients, pending False. Its dedup
     # is a copy: a donated pytree must not hold one buffer twice.
+    # Placed like the step's outputs, so step 1 does not compile again.
     staged = {name: Staged(jnp.zeros_like(p.embeddings),
                            jax.tree.map(jnp.copy, p.dedup),
-                           jnp.asarray(False))
+                           _replicated_false(self.tables[name].ctx))
               for name, p in prefetched.items()}
     return PipelineState(table_states, dense_params, dense_opt_state,
                          prefetched, staged)
@@ -192,7 +198,7 @@ class Trainer:
       return state, {}
     self._check_state(state, None, need_next=False)
     tables, stats = self._apply(state.tables, state.staged)
-    staged = {n: s._replace(pending=jnp.asarray(False))
+    staged = {n: s._replace(pending=_replicated_false(self.tables[n].ctx))
               for n, s in state.staged.items()}
     return state._replace(tables=tables, staged=staged), stats
 
