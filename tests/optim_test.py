@@ -186,6 +186,24 @@ class ApplyGradientsTest(parameterized.TestCase):
       emb = pe.lookup(ctx, t, ids).astype(jnp.float32)
       return jnp.sum((emb - target) ** 2)
 
+    @jax.jit
+    def dense_step(dense, acc, ids):
+      # The full gradient, row-wise Adagrad on every row (padding row 0
+      # masked out, as the sparse path gives it none).
+      g = jax.grad(loss)(dense.astype(jnp.bfloat16), ids).astype(
+          jnp.float32).at[0].set(0)
+      acc = acc + jnp.mean(g * g, axis=1)
+      return dense - 0.1 * g / (jnp.sqrt(acc) + 1e-10)[:, None], acc
+
+    @functools.partial(jax.jit, static_argnums=0)
+    def sparse_step(backend, sparse, state, ids):
+      emb_grad = jax.grad(lambda e: jnp.sum(
+          (e.astype(jnp.float32) - target) ** 2))(pe.lookup(ctx, sparse, ids))
+      sparse, state, _ = pe.apply_gradients(
+          ctx, opt, sparse, state, emb_grad,
+          pe.dedup(ctx, ids, vocab_rows=VOCAB), backend=backend)
+      return sparse, state
+
     for backend in test_util.backends():
       with self.subTest(backend=backend):
         sparse = jax.device_put(table, pe.table_sharding(ctx))
@@ -194,18 +212,8 @@ class ApplyGradientsTest(parameterized.TestCase):
         acc = jnp.zeros((VOCAB,), jnp.float32)
         for ids in id_batches:
           ids_dev = jax.device_put(ids, pe.token_sharding(ctx))
-          emb_grad = jax.grad(lambda e: jnp.sum(
-              (e.astype(jnp.float32) - target) ** 2))(
-                  pe.lookup(ctx, sparse, ids_dev))
-          sparse, state, _ = pe.apply_gradients(
-              ctx, opt, sparse, state, emb_grad,
-              pe.dedup(ctx, ids_dev, vocab_rows=VOCAB), backend=backend)
-          # Dense reference: the full gradient, row-wise Adagrad on every row
-          # (padding row 0 masked out, as the sparse path gives it none).
-          g = jax.grad(loss)(dense.astype(jnp.bfloat16), ids_dev).astype(
-              jnp.float32).at[0].set(0)
-          acc = acc + jnp.mean(g * g, axis=1)
-          dense = dense - 0.1 * g / (jnp.sqrt(acc) + 1e-10)[:, None]
+          sparse, state = sparse_step(backend, sparse, state, ids_dev)
+          dense, acc = dense_step(dense, acc, ids_dev)
         np.testing.assert_allclose(
             test_util.as_numpy(sparse).astype(np.float32), np.asarray(dense),
             rtol=0.02, atol=0.02)
