@@ -12,7 +12,6 @@ import numpy as np
 import optax
 import pallas_emb as pe
 from pallas_emb import flax as pe_flax
-from pallas_emb.layers.training import FlaxTrainer
 
 
 def main(steps=100):
@@ -32,7 +31,7 @@ def main(steps=100):
   batches = [jax.device_put({"ids": i, "y": np.sin(i).astype(np.float32)},
                             pe.token_sharding(ctx)) for i in ids]
   model = Model()
-  trainer = FlaxTrainer(   # the table: sparse RowwiseAdagrad; the rest: adam
+  trainer = pe_flax.FlaxTrainer(   # the table: sparse RowwiseAdagrad; the rest: adam
       model, {"embed": pe.TableSpec(ctx, pe.RowwiseAdagrad(0.1), "ids")},
       loss=lambda pred, b: jnp.mean((pred - b["y"]) ** 2),
       dense_optimizer=optax.adam(1e-2))
