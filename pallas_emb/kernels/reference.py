@@ -67,9 +67,12 @@ def adagrad_apply(table, row_state, last_step, unique_tokens, grad_accum,
 
   row_state = row_state.at[dest].set(accum, mode="drop")
   if last_step is not None:
+    # The new values must depend on the gathered `last`, or nothing orders
+    # the gather before the in-place scatter and XLA copies the array.
+    # Slots that are not `ok` scatter to row V and are dropped, so this is
+    # exactly `last_step[t] = step`.
     last_step = last_step.at[dest].set(
-        jnp.broadcast_to(jnp.asarray(step, jnp.int32), dest.shape),
-        mode="drop")
+        jnp.where(ok, jnp.asarray(step, jnp.int32), last), mode="drop")
   if table.dtype == jnp.float32:
     table = table.at[dest].set(new_rows, mode="drop")
   else:
