@@ -1,0 +1,189 @@
+"""Smoke tests of `python -m pallas_emb.bench` at tiny sizes.
+
+Each --what runs in a fresh process (the bench sets the simulated device
+count before JAX starts, which an in-process run could not do), with one
+timed round, and the JSON it writes is checked for the fields the README and
+the GPU check read. The HLO helpers are also checked in process.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+import test_util
+
+from absl.testing import absltest
+from absl.testing import parameterized
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_emb import bench
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ON_GPU = jax.devices()[0].platform == "gpu"
+DEVICES = 1 if ON_GPU else 2
+TINY = ["--vocab_rows=1024", "--emb_width=16", "--tokens_per_batch=64",
+        f"--num_devices={DEVICES}", "--repeats=1", "--warmup=1", "--burst=1",
+        "--copy_mb=1", "--num_batches=2"]
+TIMING = ("median_s", "p25_s", "p75_s", "min_s", "max_s", "n")
+RECORD = TIMING + ("what", "case", "backend", "dtype", "tokens_per_s",
+                   "bytes_moved", "gbps", "frac_copy_bw", "copy_gbps",
+                   "memory", "collectives", "full_table_ops", "vocab_rows",
+                   "tokens_per_batch", "num_devices", "distinct_ids")
+
+
+def library_backends() -> list[str]:
+  """The backend under test, plus the xla baseline the bench always adds."""
+  chosen = test_util.backends()
+  return [b for b in chosen if b != "xla"][:1] + ["xla"]
+
+
+def run_bench(*args, timeout=600):
+  with tempfile.TemporaryDirectory() as tmp:
+    out = os.path.join(tmp, "out.json")
+    env = dict(os.environ)
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    env.pop("XLA_FLAGS", None)  # the bench sets the device count itself
+    cmd = [sys.executable, "-m", "pallas_emb.bench", *args,
+           f"--json_out={out}"]
+    proc = subprocess.run(cmd, cwd=tmp, env=env, capture_output=True,
+                          text=True, timeout=timeout, check=False)
+    if proc.returncode:
+      raise AssertionError(f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}"
+                           f"\n{proc.stderr[-5000:]}")
+    with open(out) as f:
+      doc = json.load(f)
+    files = os.listdir(tmp)
+    return doc, proc.stdout, files, tmp
+
+
+class BenchCliTest(parameterized.TestCase):
+
+  def check_records(self, doc, what):
+    self.assertEqual(doc["what"], what)
+    self.assertIn("jax", doc["meta"])
+    self.assertIn("table", doc)
+    timed = [r for r in doc["results"] if r.get("median_s")]
+    self.assertNotEmpty(timed)
+    for r in timed:
+      missing = [k for k in RECORD if k not in r]
+      self.assertEmpty(missing, f"{r['case']}[{r['backend']}] lacks "
+                       f"{missing}")
+      self.assertGreater(r["median_s"], 0)
+      self.assertLessEqual(r["min_s"], r["median_s"])
+      self.assertLessEqual(r["median_s"], r["max_s"])
+      self.assertIn("temp", r["memory"])
+      self.assertIn("peak", r["memory"])
+    return timed
+
+  @parameterized.parameters("lookup", "update", "step")
+  def test_what(self, what):
+    backends = library_backends()
+    doc, stdout, _, _ = run_bench(f"--what={what}",
+                                  f"--backends={','.join(backends)}",
+                                  "--dtype=float32,bfloat16", *TINY)
+    timed = self.check_records(doc, what)
+    self.assertIn("median ms", stdout)
+    cases = {(r["case"], r["backend"], r["dtype"]) for r in timed}
+    for dtype in ("float32", "bfloat16"):
+      self.assertIn(("dense", "dense", dtype), cases)
+      for backend in backends:
+        self.assertIn(("sparse", backend, dtype), cases)
+    for r in timed:
+      self.assertIn("speedup_vs_dense", r)
+      self.assertIn("speedup_vs_xla", r)
+      if r["case"] == "sparse":
+        self.assertIn("collectives_min", r)
+        if DEVICES > 1:
+          self.assertIn("all-gather", r["collectives"])
+          self.assertIn("all-to-all", r["collectives"])
+        if r["dtype"] == "float32" and r["backend"] == "xla":
+          # The sparse f32 paths never materialize a table-sized array.
+          self.assertEqual(r["full_table_ops"], 0, r["full_table_op_names"])
+      elif what != "lookup":
+        # The dense baseline does write whole tables: the detector sees it.
+        self.assertGreater(r["full_table_ops"], 0)
+      if what == "lookup":
+        self.assertIn("gathered_gbps", r)
+
+  def test_kernels(self):
+    kernel = library_backends()[0]
+    backends = ["interpret" if kernel == "xla" else kernel, "xla"]
+    doc, _, _, _ = run_bench(
+        "--what=kernels", f"--backends={','.join(backends)}",
+        "--vocab_rows=512", "--kernel_widths=8", "--kernel_tokens=64",
+        "--repeats=1", "--warmup=1", "--burst=1", "--copy_mb=1", "--inner=2")
+    timed = [r for r in doc["results"] if r.get("median_s")]
+    ops = {(r["case"], r["backend"]) for r in timed}
+    self.assertIn(("copy", "copy"), ops)
+    for op in ("gather", "segment_sum", "adagrad"):
+      for b in backends:
+        self.assertIn((op, b), ops)
+    for r in timed:
+      for k in TIMING + ("gbps", "frac_same_size_copy", "width", "tokens",
+                         "memory"):
+        self.assertIn(k, r)
+      if r["case"] != "copy":
+        self.assertIn("speedup_vs_xla", r)
+
+  def test_config_and_scan_with_plot(self):
+    with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as f:
+      f.write("def get_config():\n"
+              "  return dict(vocab_rows=512, emb_width=8,\n"
+              "              tokens_per_batch=32, zipf=0.0)\n")
+      config = f.name
+    try:
+      with tempfile.TemporaryDirectory() as tmp:
+        plot = os.path.join(tmp, "scan.png")
+        doc, _, _, _ = run_bench(
+            "--what=lookup", f"--config={config}", "--scan",
+            "--scan_vocab=256,512", "--scan_tokens=32",
+            f"--scan_ranks=1,{DEVICES}", "--scan_repeats=1",
+            "--baselines=xla", "--repeats=1", "--burst=1", "--copy_mb=1",
+            f"--plot_out={plot}")
+        self.assertTrue(os.path.getsize(plot) > 1000)
+    finally:
+      os.unlink(config)
+    timed = [r for r in doc["results"] if r.get("median_s")]
+    self.assertEqual({r["scan_axis"] for r in timed},
+                     {"vocab_rows", "tokens_per_batch", "num_devices"})
+    self.assertEqual({r["vocab_rows"] for r in timed
+                      if r["scan_axis"] == "vocab_rows"}, {256, 512})
+    # The config's sizes are the scan's centre.
+    self.assertEqual({r["emb_width"] for r in timed}, {8})
+    self.assertEqual({r["zipf"] for r in timed}, {0.0})
+
+
+class HloHelpersTest(absltest.TestCase):
+
+  def test_collective_bytes_of_an_all_gather(self):
+    mesh = test_util.mesh({"x": 8})
+    ids = jax.device_put(jnp.arange(64, dtype=jnp.int32),
+                         jax.sharding.NamedSharding(
+                             mesh, jax.sharding.PartitionSpec("x")))
+    fn = jax.jit(jax.shard_map(
+        lambda x: jax.lax.all_gather(x, "x", tiled=True), mesh=mesh,
+        in_specs=jax.sharding.PartitionSpec("x"),
+        out_specs=jax.sharding.PartitionSpec("x")))
+    text = fn.lower(ids).compile().as_text()
+    got = bench.collective_bytes(text, 8)
+    self.assertEqual(got["all-gather"]["count"], 1)
+    self.assertEqual(got["all-gather"]["operand_bytes"], 8 * 4)
+    self.assertEqual(got["all-gather"]["result_bytes"], 64 * 4)
+    self.assertAlmostEqual(got["all-gather"]["wire_bytes"], 64 * 4 * 7 / 8)
+
+  def test_zipf_ids_are_in_range_and_skewed(self):
+    rng = np.random.default_rng(0)
+    ids = bench.zipf_ids(rng, 4096, 1000, 1.05, permute=True)
+    self.assertEqual(ids.dtype, np.int32)
+    self.assertTrue(((ids >= 0) & (ids < 1000)).all())
+    counts = np.bincount(ids, minlength=1000)
+    self.assertGreater(counts.max(), 20 * np.median(counts[counts > 0]))
+    self.assertNotEqual(counts.argmax(), 0)  # the hottest id is not padding
+
+
+if __name__ == "__main__":
+  absltest.main()
