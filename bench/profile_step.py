@@ -8,8 +8,8 @@ default) under `jax.profiler` with `--xla_cpu_enable_xprof_traceme`, so each
 XLA:CPU thunk (fusion, sort, scatter, ...) is a trace event, and prints the
 ops that take the most time per step, with their result shapes from the
 compiled HLO. Variants: lib (the library), plain_scatter (bench/prototypes:
-plain bf16 scatter, compiled with float-normalization-bf16 off), lazy_order
-(bench/prototypes: lazy mode without the last_step copies; use --lazy).
+plain bf16 scatter, compiled with float-normalization-bf16 off). --lazy
+profiles lazy Adagrad.
 """
 
 from __future__ import annotations
@@ -31,8 +31,7 @@ from absl import flags  # pylint: disable=g-import-not-at-top
 
 from pallas_emb import bench  # pylint: disable=g-import-not-at-top
 
-_VARIANT = flags.DEFINE_enum("variant", "lib",
-                             ["lib", "plain_scatter", "lazy_order"],
+_VARIANT = flags.DEFINE_enum("variant", "lib", ["lib", "plain_scatter"],
                              "What to profile.")
 _STEPS = flags.DEFINE_integer("steps", 20, "Profiled steps.")
 _TOP = flags.DEFINE_integer("top", 15, "Ops to print.")

@@ -16,9 +16,6 @@ temporary, one back into the donated buffer).
 
 Prototypes:
 
-`lazy_order`  `reference.adagrad_apply` whose lazy `last_step` scatter
-    data-depends on the `last_step` gather (no copies of `last_step`).
-
 `plain_scatter`  `reference.adagrad_apply` with a plain bf16 scatter (no
     uint16 view). In place only when the normalization pass is off, e.g.
     `XLA_FLAGS=--xla_disable_hlo_passes=float-normalization-bf16` or
@@ -69,69 +66,20 @@ def plain_scatter_adagrad(table, row_state, last_step, unique_tokens,
       table[rows].astype(jnp.float32), wd[:, None], lr_scale[:, None],
       grad_accum, table.dtype)
   row_state = row_state.at[dest].set(accum, mode="drop")
-  if last_step is not None:
+  if last_step is not None:  # as in reference.py: depends on the gather
     last_step = last_step.at[dest].set(
-        jnp.broadcast_to(jnp.asarray(step, jnp.int32), dest.shape),
-        mode="drop")
+        jnp.where(ok, jnp.asarray(step, jnp.int32), last), mode="drop")
   return table.at[dest].set(new_rows, mode="drop"), row_state, last_step
-
-
-def lazy_order_adagrad(table, row_state, last_step, unique_tokens,
-                         grad_accum, row_sq, apply, step, learning_rate, *,
-                         hparams):
-  """`reference.adagrad_apply` with the `last_step` gather ordered first.
-
-  In lazy mode the new `last_step` values (the step, broadcast) do not
-  depend on the gathered `last_step[rows]`, so nothing orders the gather
-  before the in-place scatter and copy-insertion copies the whole
-  `last_step` array (twice, on XLA:CPU). (An `optimization_barrier` does not
-  help: XLA:CPU expands barriers before copy insertion.) Writing the value
-  as `max(step, min(last, step))` -- equal to `step` -- makes the scatter
-  depend on the gather, and the donated buffer is updated in place.
-  """
-  vocab_rows, _ = table.shape
-  row_sq = common.check_adagrad_args(table, row_state, last_step,
-                                     unique_tokens, grad_accum, row_sq,
-                                     hparams)
-  tokens = common.wrap_once(unique_tokens, vocab_rows)
-  ok = (jnp.asarray(apply, jnp.bool_) & (tokens >= 0)
-        & (tokens < vocab_rows))
-  rows = jnp.where(ok, tokens, 0)
-  dest = jnp.where(ok, tokens, vocab_rows)
-  last = None if last_step is None else last_step[rows]
-  accum, wd, lr_scale = common.adagrad_row_update(
-      row_state[rows], last, row_sq, step, learning_rate, hparams)
-  new_rows = common.adagrad_new_values(
-      table[rows].astype(jnp.float32), wd[:, None], lr_scale[:, None],
-      grad_accum, table.dtype)
-  row_state = row_state.at[dest].set(accum, mode="drop")
-  if last_step is not None:
-    # == step, but computed from the gathered values: the data dependence
-    # orders the gather before the in-place scatter.
-    step = jnp.asarray(step, jnp.int32)
-    last_step = last_step.at[dest].set(
-        jnp.maximum(step, jnp.minimum(last, step)), mode="drop")
-  if table.dtype == jnp.float32:
-    table = table.at[dest].set(new_rows, mode="drop")
-  else:
-    bits = jnp.dtype(f"uint{8 * table.dtype.itemsize}")
-    table = lax.bitcast_convert_type(
-        lax.bitcast_convert_type(table, bits).at[dest].set(
-            lax.bitcast_convert_type(new_rows, bits), mode="drop"),
-        table.dtype)
-  return table, row_state, last_step
 
 
 _ORIGINAL = {}
 
 
 def install(name: str) -> None:
-  """Monkeypatches one prototype in ('plain_scatter', 'lazy_order')."""
+  """Monkeypatches one prototype in ('plain_scatter')."""
   _ORIGINAL.setdefault("adagrad_apply", reference.adagrad_apply)
   if name == "plain_scatter":
     reference.adagrad_apply = plain_scatter_adagrad
-  elif name == "lazy_order":
-    reference.adagrad_apply = lazy_order_adagrad
   else:
     raise ValueError(f"unknown prototype {name!r}")
 
@@ -148,17 +96,19 @@ def to_bits(table):
   return lax.bitcast_convert_type(table, jnp.uint16)
 
 
-def _bits_step_per_rank(ctx, opt, vocab_rows, loss, bits, row_state, step,
-                        ids, segment_ids, unique_tokens):
-  w, t, s = ctx.group_size, ctx.tokens_per_rank, ctx.shard_width
-  f32 = jnp.float32
-  # lookup: integer gather and all-to-all, bf16 only on the T*E result.
+def _bits_lookup_per_rank(ctx, vocab_rows, bits, ids):
+  """lookup on the uint16 bits: integer gather and all-to-all, bf16 only on
+  the `[T, E]` result."""
   ids_all = exchange.all_gather_ids(ctx, ids.reshape(-1))
   rows = jnp.take(bits, common.wrap_and_clamp(ids_all, vocab_rows), axis=0)
-  emb = lax.bitcast_convert_type(exchange.exchange_rows(ctx, rows),
-                                 jnp.bfloat16)
-  grads = jax.grad(loss)(emb)
-  # update: route, segment-sum, row norms as in optim._apply_per_rank.
+  return lax.bitcast_convert_type(exchange.exchange_rows(ctx, rows),
+                                  jnp.bfloat16)
+
+
+def _bits_update_per_rank(ctx, opt, vocab_rows, bits, row_state, step,
+                          grads, segment_ids, unique_tokens):
+  """optim._apply_per_rank + reference.adagrad_apply on the uint16 bits."""
+  w, t, s = ctx.group_size, ctx.tokens_per_rank, ctx.shard_width
   segments = exchange.all_gather_ids(ctx, segment_ids.reshape(-1))
   routed = exchange.route_gradients(ctx, grads.reshape(t, w * s))
   grad_accum, row_sq = reference.segment_sum_rows(
@@ -175,7 +125,8 @@ def _bits_step_per_rank(ctx, opt, vocab_rows, loss, bits, row_state, step,
   accum, wd, lr_scale = common.adagrad_row_update(
       row_state[safe], None, row_sq[:ctx.num_unique], step,
       opt.learning_rate_at(step), hp)
-  old = lax.bitcast_convert_type(bits[safe], jnp.bfloat16).astype(f32)
+  old = lax.bitcast_convert_type(bits[safe], jnp.bfloat16).astype(
+      jnp.float32)
   new = common.adagrad_new_values(old, wd[:, None], lr_scale[:, None],
                                   grad_accum, jnp.bfloat16)
   bits = bits.at[dest].set(lax.bitcast_convert_type(new, jnp.uint16),
@@ -192,13 +143,18 @@ def make_bits_step(ctx, opt, vocab_rows, loss):
   """
   import pallas_emb as pe  # pylint: disable=g-import-not-at-top
   tok = exchange.token_spec(ctx)
+  table_spec = exchange.table_spec(ctx)
 
   def step_fn(bits, row_state, step, ids):
+    emb = exchange.shard(
+        ctx, functools.partial(_bits_lookup_per_rank, ctx, vocab_rows),
+        in_specs=(table_spec, tok), out_specs=tok)(bits, ids)
+    grads = jax.grad(loss)(emb)
     d = pe.dedup(ctx, ids, vocab_rows=vocab_rows)
-    fn = functools.partial(_bits_step_per_rank, ctx, opt, vocab_rows, loss)
+    fn = functools.partial(_bits_update_per_rank, ctx, opt, vocab_rows)
     return exchange.shard(
         ctx, fn,
-        in_specs=(exchange.table_spec(ctx), P(), P(), tok, tok, P()),
-        out_specs=(exchange.table_spec(ctx), P(), P(), P()),
-    )(bits, row_state, step, ids, d.segment_ids, d.unique_tokens)
+        in_specs=(table_spec, P(), P(), tok, tok, P()),
+        out_specs=(table_spec, P(), P(), P()),
+    )(bits, row_state, step, grads, d.segment_ids, d.unique_tokens)
   return step_fn

@@ -28,6 +28,15 @@ to the analytic minimum of the column-sharded layout; and how many ops of
 the optimized HLO produce table-sized arrays (copies / converts / full
 passes; see `full_table_ops`).
 
+Timing: after `--warmup` rounds, each of `--repeats` rounds runs every case
+`--burst` times in a row and keeps all but the first call of the burst
+(which pays for the cache state the previous case left). Ids cycle through
+`--num_batches` Zipf batches, so most calls see a fresh batch (the hot head
+of the distribution stays cached, the tail does not, as in training). On a
+GPU the kept calls of a burst are dispatched back to back and waited for
+once (`--pipelined_timing`). `--what=kernels` times the three Pallas
+kernels against their xla twins on one shard, `--inner` ops per executable.
+
 Sizes are in absl flags (`--help`), optionally preset by
 `--config=configs/bench_x.py` (a python file whose `get_config()` returns a
 dict or dataclass of flag values; flags given on the command line win).
@@ -47,7 +56,6 @@ import json
 import math
 import os
 import re
-import statistics
 import sys
 import time
 from typing import Any, Callable
