@@ -166,13 +166,6 @@ def _ordered_sum(x: jax.Array, axes) -> jax.Array:
   return jnp.sum(lax.all_gather(x, axes, axis=0), axis=0)
 
 
-def _row_square_sums(grad_accum: jax.Array, round_dtype) -> jax.Array:
-  """`[U + 1]`: per row `sum_c round(g)**2`, the total in the last slot."""
-  rounded = common.round_to(grad_accum, round_dtype)
-  row_sq = jnp.sum(rounded * rounded, axis=1)
-  return jnp.concatenate([row_sq, jnp.sum(row_sq, keepdims=True)])
-
-
 def _apply_per_rank(ctx, opt, backend, table, row_state, last_step, step,
                     grads, segment_ids, unique_tokens, pending, num_overflow):
   segments = exchange.all_gather_ids(ctx, segment_ids.reshape(-1))
@@ -184,7 +177,7 @@ def _apply_per_rank(ctx, opt, backend, table, row_state, last_step, step,
   if ctx.replica_axis:
     # Every replica applies the same update: sum all replicas' rows first.
     grad_accum = _ordered_sum(grad_accum, ctx.replica_axis)
-    row_sq = _row_square_sums(grad_accum, table.dtype)
+    row_sq = common.row_square_sums(grad_accum, table.dtype)
   if ctx.group_size > 1:
     row_sq = _ordered_sum(row_sq, ctx.table_axis)
   norm = jnp.sqrt(row_sq[ctx.num_unique])

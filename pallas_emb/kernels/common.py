@@ -115,3 +115,9 @@ def adagrad_new_values(values, wd, lr_scale, grad, dtype) -> jax.Array:
   decayed = round_to(unfused_product(values, wd), dtype)
   delta = round_to(unfused_product(lr_scale, round_to(grad, dtype)), dtype)
   return (decayed + delta).astype(dtype)
+
+
+def row_square_sums(grad_accum: jax.Array, round_dtype) -> jax.Array:
+  """`[U + 1]`: per row `sum_c round(g)**2`, the total in the last slot."""
+  row_sq = jnp.sum(jnp.square(round_to(grad_accum, round_dtype)), axis=1)
+  return jnp.concatenate([row_sq, jnp.sum(row_sq, keepdims=True)])

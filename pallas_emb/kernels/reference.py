@@ -31,8 +31,7 @@ def segment_sum_rows(grads: jax.Array, segment_ids: jax.Array,
   keys = jnp.where(valid, segment_ids, num_segments)
   accum = jax.ops.segment_sum(grads.astype(jnp.float32), keys,
                               num_segments=num_segments, mode="drop")
-  row_sq = jnp.sum(jnp.square(common.round_to(accum, round_dtype)), axis=1)
-  return accum, jnp.concatenate([row_sq, jnp.sum(row_sq, keepdims=True)])
+  return accum, common.row_square_sums(accum, round_dtype)
 
 
 def adagrad_apply(table, row_state, last_step, unique_tokens, grad_accum,
