@@ -1,6 +1,7 @@
-"""Tests for pallas_emb.data: synthetic data, MovieLens loader, batching."""
+"""Tests for pallas_emb.datasets: synthetic data, MovieLens loader, batching."""
 
 import os
+import subprocess
 import sys
 import tempfile
 import zipfile
@@ -10,11 +11,11 @@ from absl.testing import absltest, parameterized
 import numpy as np
 
 try:
-  from pallas_emb import data
+  from pallas_emb import datasets
 except ImportError:  # run from a checkout without PYTHONPATH
   sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(
       __file__))))
-  from pallas_emb import data
+  from pallas_emb import datasets
 
 # Raw ids are deliberately sparse and unsorted to exercise dense remapping.
 _ROWS = [(196, 242, 3), (186, 302, 3), (22, 377, 1), (196, 51, 2),
@@ -59,7 +60,7 @@ class SyntheticTest(parameterized.TestCase):
 
   @parameterized.parameters(False, True)
   def test_sizes_dtypes_ranges(self, dense):
-    ds = data.synthetic(5000, num_users=300, num_items=70, rank=4, seed=3,
+    ds = datasets.synthetic(5000, num_users=300, num_items=70, rank=4, seed=3,
                         dense_factors=dense)
     self.assertLen(ds, 5000)
     self.assertEqual(ds.vocab_sizes, {"user": 301, "item": 71})
@@ -74,7 +75,7 @@ class SyntheticTest(parameterized.TestCase):
 
   def test_zipf_skew_and_hot_ids_scattered(self):
     num_users = 10_000
-    ds = data.synthetic(100_000, num_users=num_users, num_items=10, seed=0)
+    ds = datasets.synthetic(100_000, num_users=num_users, num_items=10, seed=0)
     counts = np.bincount(ds.features["user"], minlength=num_users + 1)
     top = np.argsort(counts)[::-1][:num_users // 100]
     share = counts[top].sum() / counts.sum()
@@ -83,22 +84,38 @@ class SyntheticTest(parameterized.TestCase):
     self.assertNotEqual(set(top), set(range(1, num_users // 100 + 1)))
 
   def test_uniform_when_exponent_zero(self):
-    ds = data.synthetic(50_000, num_users=100, num_items=10,
+    ds = datasets.synthetic(50_000, num_users=100, num_items=10,
                         zipf_exponent=0.0)
     counts = np.bincount(ds.features["user"], minlength=101)[1:]
     self.assertLess(counts.max() / counts.min(), 1.5)
 
+  def test_zipf_ids_are_in_range_and_skewed(self):
+    rng = np.random.default_rng(0)
+    ids = datasets.zipf_ids(rng, 1000, 4096, 1.05)
+    self.assertEqual(ids.dtype, np.int32)
+    self.assertTrue(((ids >= 1) & (ids <= 1000)).all())  # never padding 0
+    counts = np.bincount(ids, minlength=1001)
+    self.assertGreater(counts.max(), 20 * np.median(counts[counts > 0]))
+    self.assertNotEqual(counts.argmax(), 1)  # permuted: hottest is not id 1
+    unpermuted = datasets.zipf_ids(np.random.default_rng(0), 1000, 4096,
+                                   1.05, permute=False)
+    self.assertEqual(np.bincount(unpermuted).argmax(), 1)  # rank 0 -> id 1
+    with self.assertRaisesRegex(ValueError, "num_ids=0"):
+      datasets.zipf_ids(rng, 0, 10, 1.0)
+    with self.assertRaisesRegex(ValueError, "exponent=-1"):
+      datasets.zipf_ids(rng, 10, 10, -1)
+
   def test_deterministic_per_seed(self):
-    a = data.synthetic(2000, 500, 50, seed=7)
-    b = data.synthetic(2000, 500, 50, seed=7)
-    c = data.synthetic(2000, 500, 50, seed=8)
+    a = datasets.synthetic(2000, 500, 50, seed=7)
+    b = datasets.synthetic(2000, 500, 50, seed=7)
+    c = datasets.synthetic(2000, 500, 50, seed=8)
     for key in a.features:
       np.testing.assert_array_equal(a.features[key], b.features[key])
     np.testing.assert_array_equal(a.labels, b.labels)
     self.assertFalse(np.array_equal(a.labels, c.labels))
 
   def test_label_variance_vs_floor(self):
-    ds = data.synthetic(20_000, 2000, 500, noise_std=0.1, seed=1)
+    ds = datasets.synthetic(20_000, 2000, 500, noise_std=0.1, seed=1)
     self.assertAlmostEqual(ds.label_floor, 0.01)
     var = float(ds.labels.var())
     self.assertBetween(var, 0.3, 3.0)  # O(1) signal
@@ -106,27 +123,27 @@ class SyntheticTest(parameterized.TestCase):
 
   def test_noise_only_variance_matches_floor(self):
     # With one user and one item, the label is constant signal plus noise.
-    ds = data.synthetic(20_000, 1, 1, noise_std=0.5, seed=2)
+    ds = datasets.synthetic(20_000, 1, 1, noise_std=0.5, seed=2)
     self.assertAlmostEqual(float(ds.labels.var()), ds.label_floor, delta=0.02)
 
   def test_bad_arguments(self):
     with self.assertRaisesRegex(ValueError, "num_users=0"):
-      data.synthetic(10, 0, 5)
+      datasets.synthetic(10, 0, 5)
     with self.assertRaisesRegex(ValueError, "zipf_exponent"):
-      data.synthetic(10, 5, 5, zipf_exponent=-1)
+      datasets.synthetic(10, 5, 5, zipf_exponent=-1)
 
 
 class DatasetTest(absltest.TestCase):
 
   def test_rejects_padding_id_and_wrong_dtypes(self):
     labels = np.zeros(2, np.float32)
-    with self.assertRaisesRegex(data.DataError, r"must lie in \[1, 3\)"):
-      data.Dataset({"user": np.array([0, 1], np.int32)}, labels,
+    with self.assertRaisesRegex(datasets.DataError, r"must lie in \[1, 3\)"):
+      datasets.Dataset({"user": np.array([0, 1], np.int32)}, labels,
                    {"user": 3}, "x")
-    with self.assertRaisesRegex(data.DataError, "int32"):
-      data.Dataset({"user": np.array([1, 2])}, labels, {"user": 3}, "x")
-    with self.assertRaisesRegex(data.DataError, "reserved"):
-      data.Dataset({"label": np.array([1, 2], np.int32)}, labels,
+    with self.assertRaisesRegex(datasets.DataError, "int32"):
+      datasets.Dataset({"user": np.array([1, 2])}, labels, {"user": 3}, "x")
+    with self.assertRaisesRegex(datasets.DataError, "reserved"):
+      datasets.Dataset({"label": np.array([1, 2], np.int32)}, labels,
                    {"label": 3}, "x")
 
 
@@ -152,47 +169,47 @@ class LoaderTest(parameterized.TestCase):
       self.assertEqual(set(ids), set(range(1, ds.vocab_sizes[key])))
 
   def test_udata(self):
-    self._assert_toy(data.load_movielens(
+    self._assert_toy(datasets.load_movielens(
         _write(os.path.join(self.dir, "u.data"), _udata_text())))
 
   def test_inter(self):
-    self._assert_toy(data.load_movielens(
+    self._assert_toy(datasets.load_movielens(
         _write(os.path.join(self.dir, "ml-100k.inter"), _inter_text())))
 
   def test_inter_columns_in_another_order(self):
     header = "timestamp:float\trating:float\titem_id:token\tuser_id:token"
     body = "".join(f"1\t{r}\t{i}\t{u}\n" for u, i, r in _ROWS)
-    self._assert_toy(data.load_movielens(
+    self._assert_toy(datasets.load_movielens(
         _write(os.path.join(self.dir, "x.inter"), header + "\n" + body)))
 
   def test_crlf_and_trailing_blank_lines(self):
     text = _inter_text().replace("\n", "\r\n") + "\r\n\r\n"
-    self._assert_toy(data.load_movielens(
+    self._assert_toy(datasets.load_movielens(
         _write(os.path.join(self.dir, "ml-100k.inter"), text)))
 
   @parameterized.parameters("u.data", "ml-100k.inter", "ml-100k/u.data")
   def test_directory(self, name):
     text = _inter_text() if name.endswith(".inter") else _udata_text()
     _write(os.path.join(self.dir, name), text)
-    self._assert_toy(data.load_movielens(self.dir))
+    self._assert_toy(datasets.load_movielens(self.dir))
 
   def test_wheel_member(self):
     wheel = _write_zip(os.path.join(self.dir, "recbole-1.2.1-py3-none-any.whl"),
                        {"recbole/__init__.py": "",
-                        data.RECBOLE_MEMBER: _inter_text()})
-    self._assert_toy(data.load_movielens(wheel))
-    self._assert_toy(data.load_movielens(self.dir))  # wheel found in a dir
+                        datasets.RECBOLE_MEMBER: _inter_text()})
+    self._assert_toy(datasets.load_movielens(wheel))
+    self._assert_toy(datasets.load_movielens(self.dir))  # wheel found in a dir
 
   def test_grouplens_zip_member(self):
     archive = _write_zip(os.path.join(self.dir, "ml-100k.zip"),
                          {"ml-100k/u.item": "1|Toy Story\n",
                           "ml-100k/u.data": _udata_text()})
-    self._assert_toy(data.load_movielens(archive))
+    self._assert_toy(datasets.load_movielens(archive))
 
   def test_missing_path_message(self):
     missing = os.path.join(self.dir, "nope.data")
-    with self.assertRaises(data.DataError) as cm:
-      data.load_movielens(missing)
+    with self.assertRaises(datasets.DataError) as cm:
+      datasets.load_movielens(missing)
     msg = str(cm.exception)
     self.assertEqual(
         msg, f"pallas_emb could not find MovieLens-100k: tried {missing}; "
@@ -201,8 +218,8 @@ class LoaderTest(parameterized.TestCase):
         "recbole==1.2.1 -d ~/.cache/pallas_emb`.")
 
   def test_empty_directory_lists_what_it_tried(self):
-    with self.assertRaises(data.DataError) as cm:
-      data.load_movielens(self.dir)
+    with self.assertRaises(datasets.DataError) as cm:
+      datasets.load_movielens(self.dir)
     msg = str(cm.exception)
     self.assertNotIn("\n", msg)
     for name in ("u.data", "ml-100k.inter", "recbole-*.whl"):
@@ -211,8 +228,8 @@ class LoaderTest(parameterized.TestCase):
   def test_zip_without_member(self):
     archive = _write_zip(os.path.join(self.dir, "other.zip"), {"a.txt": "x"})
     with self.assertRaisesRegex(
-        data.DataError, "tried .*other.zip!recbole/dataset_example/ml-100k/"):
-      data.load_movielens(archive)
+        datasets.DataError, "tried .*other.zip!recbole/dataset_example/ml-100k/"):
+      datasets.load_movielens(archive)
 
   @parameterized.named_parameters(
       ("columns", "196\t242\t3\n", r"u.data:2: expected 4 tab-separated "
@@ -230,29 +247,29 @@ class LoaderTest(parameterized.TestCase):
   def test_malformed_udata_line(self, bad_line, pattern):
     path = _write(os.path.join(self.dir, "u.data"),
                   "1\t2\t3\t4\n" + bad_line + "5\t6\t4\t8\n")
-    with self.assertRaisesRegex(data.DataError, pattern):
-      data.load_movielens(path)
+    with self.assertRaisesRegex(datasets.DataError, pattern):
+      datasets.load_movielens(path)
 
   def test_malformed_inter_line_counts_header(self):
     path = _write(os.path.join(self.dir, "ml-100k.inter"),
                   _INTER_HEADER + "\n1\t2\t3\t4\n1\t2\t3\n")
     with self.assertRaisesRegex(
-        data.DataError, r"ml-100k.inter:3: expected 4 tab-separated columns "
+        datasets.DataError, r"ml-100k.inter:3: expected 4 tab-separated columns "
         "as in the header, got 3"):
-      data.load_movielens(path)
+      datasets.load_movielens(path)
 
   def test_header_missing_column(self):
     path = _write(os.path.join(self.dir, "ml-100k.inter"),
                   "user_id:token\titem_id:token\tscore:float\n1\t2\t3\n")
     with self.assertRaisesRegex(
-        data.DataError, r"ml-100k.inter:1: RecBole header .* lacks column\(s\) "
+        datasets.DataError, r"ml-100k.inter:1: RecBole header .* lacks column\(s\) "
         "rating"):
-      data.load_movielens(path)
+      datasets.load_movielens(path)
 
   def test_empty_file(self):
     path = _write(os.path.join(self.dir, "u.data"), "\n")
-    with self.assertRaisesRegex(data.DataError, "u.data: no ratings"):
-      data.load_movielens(path)
+    with self.assertRaisesRegex(datasets.DataError, "u.data: no ratings"):
+      datasets.load_movielens(path)
 
 
 class DefaultSearchTest(absltest.TestCase):
@@ -267,9 +284,9 @@ class DefaultSearchTest(absltest.TestCase):
     for d in (self.site_dir, self.home, self.cwd):
       os.makedirs(d)
     self.enter_context(mock.patch.object(sys, "path", [self.site_dir]))
-    self.enter_context(mock.patch.object(data.site, "getsitepackages",
+    self.enter_context(mock.patch.object(datasets.movielens.site, "getsitepackages",
                                          return_value=[]))
-    self.enter_context(mock.patch.object(data.site, "getusersitepackages",
+    self.enter_context(mock.patch.object(datasets.movielens.site, "getusersitepackages",
                                          return_value=self.site_dir))
     env = {k: v for k, v in os.environ.items() if k != "PALLAS_EMB_DATA_DIR"}
     env["HOME"] = self.home
@@ -280,52 +297,88 @@ class DefaultSearchTest(absltest.TestCase):
   def _wheel(self, directory):
     os.makedirs(directory, exist_ok=True)
     return _write_zip(os.path.join(directory, "recbole-1.2.1-py3-none-any.whl"),
-                      {data.RECBOLE_MEMBER: _inter_text()})
+                      {datasets.RECBOLE_MEMBER: _inter_text()})
 
   def test_nothing_found_message(self):
-    with self.assertRaises(data.DataError) as cm:
-      data.load_movielens()
+    with self.assertRaises(datasets.DataError) as cm:
+      datasets.load_movielens()
     msg = str(cm.exception)
     self.assertStartsWith(msg, "pallas_emb could not find MovieLens-100k: "
                           "tried ")
     self.assertNotIn("\n", msg)
-    self.assertIn(os.path.join(self.site_dir, data.RECBOLE_MEMBER), msg)
+    self.assertIn(os.path.join(self.site_dir, datasets.RECBOLE_MEMBER), msg)
     self.assertIn(os.path.join(self.cwd, "recbole-*.whl"), msg)
     self.assertIn(os.path.join(self.home, ".cache", "pallas_emb",
                                "recbole-*.whl"), msg)
     self.assertIn("pip download --no-deps recbole==1.2.1", msg)
 
   def test_installed_recbole_on_sys_path(self):
-    path = _write(os.path.join(self.site_dir, data.RECBOLE_MEMBER),
+    path = _write(os.path.join(self.site_dir, datasets.RECBOLE_MEMBER),
                   _inter_text())
-    self.assertEqual(data.find_movielens(), path)
-    self.assertLen(data.load_movielens(), len(_ROWS))
+    self.assertEqual(datasets.find_movielens(), path)
+    self.assertLen(datasets.load_movielens(), len(_ROWS))
 
   def test_wheel_in_cwd(self):
     wheel = self._wheel(self.cwd)
-    self.assertEqual(data.find_movielens(), wheel)
-    self.assertLen(data.load_movielens(), len(_ROWS))
+    self.assertEqual(datasets.find_movielens(), wheel)
+    self.assertLen(datasets.load_movielens(), len(_ROWS))
 
   def test_wheel_in_cache(self):
     wheel = self._wheel(os.path.join(self.home, ".cache", "pallas_emb"))
-    self.assertEqual(data.find_movielens(), wheel)
+    self.assertEqual(datasets.find_movielens(), wheel)
 
   def test_env_dir_wins(self):
     self._wheel(self.cwd)
     env_dir = os.path.join(self.root, "env")
     wheel = self._wheel(env_dir)
     os.environ["PALLAS_EMB_DATA_DIR"] = env_dir
-    self.assertEqual(data.find_movielens(), wheel)
+    self.assertEqual(datasets.find_movielens(), wheel)
+
+  def test_download_only_when_nothing_is_found(self):
+    cache = os.path.join(self.home, ".cache", "pallas_emb")
+
+    def fake_pip(cmd, **kwargs):
+      del kwargs
+      self._wheel(cmd[cmd.index("-d") + 1])
+      return subprocess.CompletedProcess(cmd, 0, "Saved", "")
+
+    with mock.patch.object(subprocess, "run", side_effect=fake_pip) as run:
+      wheel = datasets.find_movielens(download=True)
+      self.assertEqual(os.path.dirname(wheel), cache)
+      self.assertEqual(datasets.find_movielens(download=True), wheel)
+    run.assert_called_once()
+    self.assertEqual(run.call_args.args[0][1:], [
+        "-m", "pip", "download", "--no-deps", "recbole==1.2.1", "-d", cache])
+    self.assertLen(datasets.load_movielens(), len(_ROWS))
+
+  def test_failed_download_says_why(self):
+    failed = subprocess.CompletedProcess(
+        [], 1, "", "ERROR: Could not find a version that satisfies the "
+        "requirement recbole==1.2.1\nERROR: No matching distribution")
+    with mock.patch.object(subprocess, "run", return_value=failed):
+      with self.assertRaisesRegex(
+          datasets.DataError, r"could not download MovieLens-100k: `.* -m pip "
+          r"download --no-deps recbole==1.2.1 -d .*` exited with status 1: "
+          r".*No matching distribution$"):
+        datasets.find_movielens(download=True)
+    # Without download=True nothing is fetched.
+    with mock.patch.object(subprocess, "run") as run:
+      with self.assertRaisesRegex(datasets.DataError, "could not find"):
+        datasets.find_movielens()
+    run.assert_not_called()
 
 
 class RealMovieLensTest(absltest.TestCase):
 
-  def test_real_ml100k_if_available(self):
+  def test_real_ml100k(self):
+    # Downloads the recbole wheel into ~/.cache/pallas_emb when missing.
     try:
-      path = data.find_movielens(os.environ.get("PALLAS_EMB_ML100K"))
-    except data.DataError as e:
-      self.skipTest(f"MovieLens-100k not found locally ({e})")
-    ds = data.load_movielens(path)
+      path = datasets.find_movielens(os.environ.get("PALLAS_EMB_ML100K"),
+                                     download=True)
+    except datasets.DataError as e:
+      self.skipTest(f"MovieLens-100k is not on this machine and could not "
+                    f"be downloaded ({e})")
+    ds = datasets.load_movielens(path)
     self.assertLen(ds, 100_000)
     self.assertEqual(ds.vocab_sizes, {"user": 944, "item": 1683})
     self.assertEqual(set(np.unique(ds.labels)), {1.0, 2.0, 3.0, 4.0, 5.0})
@@ -338,12 +391,12 @@ class SplitTest(absltest.TestCase):
     # Labels are 0..N-1, so they identify each example.
     n = 1000
     ids = np.arange(n, dtype=np.int32) % 50 + 1
-    self.ds = data.Dataset({"user": ids, "item": ids[::-1].copy()},
+    self.ds = datasets.Dataset({"user": ids, "item": ids[::-1].copy()},
                            np.arange(n, dtype=np.float32),
                            {"user": 51, "item": 51}, "toy")
 
   def test_sizes_disjoint_and_complete(self):
-    train, test = data.split(self.ds, test_fraction=0.2, seed=0)
+    train, test = datasets.split(self.ds, test_fraction=0.2, seed=0)
     self.assertLen(train, 800)
     self.assertLen(test, 200)
     tr, te = set(train.labels), set(test.labels)
@@ -356,15 +409,15 @@ class SplitTest(absltest.TestCase):
         test.features["user"], self.ds.features["user"][test.labels.astype(int)])
 
   def test_deterministic(self):
-    a, _ = data.split(self.ds, seed=3)
-    b, _ = data.split(self.ds, seed=3)
-    c, _ = data.split(self.ds, seed=4)
+    a, _ = datasets.split(self.ds, seed=3)
+    b, _ = datasets.split(self.ds, seed=3)
+    c, _ = datasets.split(self.ds, seed=4)
     np.testing.assert_array_equal(a.labels, b.labels)
     self.assertFalse(np.array_equal(a.labels, c.labels))
 
   def test_bad_fraction(self):
     with self.assertRaisesRegex(ValueError, "test_fraction"):
-      data.split(self.ds, test_fraction=1.0)
+      datasets.split(self.ds, test_fraction=1.0)
 
 
 class BatchesTest(absltest.TestCase):
@@ -373,12 +426,12 @@ class BatchesTest(absltest.TestCase):
     super().setUp()
     n = 103
     ids = np.arange(n, dtype=np.int32) + 1
-    self.ds = data.Dataset({"user": ids, "item": ids.copy()},
+    self.ds = datasets.Dataset({"user": ids, "item": ids.copy()},
                            np.arange(n, dtype=np.float32),
                            {"user": n + 1, "item": n + 1}, "toy")
 
   def test_shapes_and_epoch_coverage(self):
-    got = list(data.batches(self.ds, 10, seed=0, epochs=2))
+    got = list(datasets.batches(self.ds, 10, seed=0, epochs=2))
     self.assertLen(got, 20)  # 10 full batches per epoch, remainder dropped
     for b in got:
       self.assertEqual(set(b), {"user", "item", "label"})
@@ -393,24 +446,24 @@ class BatchesTest(absltest.TestCase):
 
   def test_deterministic_per_seed(self):
     def first(seed, k=15):
-      it = data.batches(self.ds, 10, seed=seed)
+      it = datasets.batches(self.ds, 10, seed=seed)
       return np.concatenate([next(it)["label"] for _ in range(k)])
     np.testing.assert_array_equal(first(1), first(1))
     self.assertFalse(np.array_equal(first(1), first(2)))
 
   def test_infinite_and_keep_remainder(self):
-    it = data.batches(self.ds, 50, seed=0)
+    it = datasets.batches(self.ds, 50, seed=0)
     self.assertLen([next(it) for _ in range(7)], 7)
     sizes = [len(b["label"]) for b in
-             data.batches(self.ds, 50, seed=0, epochs=1, drop_remainder=False)]
+             datasets.batches(self.ds, 50, seed=0, epochs=1, drop_remainder=False)]
     self.assertEqual(sizes, [50, 50, 3])
 
   def test_batch_larger_than_dataset(self):
     with self.assertRaisesRegex(ValueError, "fewer than batch_size=200"):
-      data.batches(self.ds, 200, seed=0)
+      datasets.batches(self.ds, 200, seed=0)
 
   def test_eval_batches_cover_every_example_once(self):
-    got = list(data.eval_batches(self.ds, 25))
+    got = list(datasets.eval_batches(self.ds, 25))
     self.assertLen(got, 5)
     for b in got:
       self.assertEqual(set(b), {"user", "item", "label", "weight"})
