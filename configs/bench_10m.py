@@ -1,9 +1,9 @@
 """FBGEMM's large CPU case: 10M rows x 64, 64k Zipf(1.05) ids (37 ms).
 
-    python -m pallas_emb.bench --config=configs/bench_10m.py --what=step
+    python -m bench.bench --config=configs/bench_10m.py --what=step
 
 The dense baseline is off (a dense 10M-row step needs ~10 GiB and seconds).
-Plain python, returns a dict of `pallas_emb.bench` flags.
+Plain python, returns a dict of `bench.bench` flags.
 """
 
 

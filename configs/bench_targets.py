@@ -1,11 +1,11 @@
 """The CPU target workload of the benchmark (xla backend, f32 table).
 
-    python -m pallas_emb.bench --config=configs/bench_targets.py --what=step \
+    python -m bench.bench --config=configs/bench_targets.py --what=step \
         --num_devices=8
 
 1M rows x 64 columns, 16k ids per batch drawn from a Zipf(1.05) truncated to
 the table (FBGEMM's CPU TBE with exact row-wise Adagrad: 6.5 ms per step on
-this workload). Plain python, returns a dict of `pallas_emb.bench` flags.
+this workload). Plain python, returns a dict of `bench.bench` flags.
 """
 
 

@@ -1,9 +1,10 @@
-"""Smoke tests of `python -m pallas_emb.bench` at tiny sizes.
+"""Smoke tests of `python -m bench.bench` at tiny sizes.
 
 Each --what runs in a fresh process (the bench sets the simulated device
 count before JAX starts, which an in-process run could not do), with one
 timed round, and the JSON it writes is checked for the fields the README and
-the GPU check read. The HLO helpers are also checked in process.
+the GPU check read. Its HLO helpers (`pallas_emb.testing.hlo`) are tested
+in hlo_test.py, its ids (`pallas_emb.datasets.zipf_ids`) in datasets_test.py.
 """
 
 import json
@@ -17,10 +18,6 @@ import test_util
 from absl.testing import absltest
 from absl.testing import parameterized
 import jax
-import jax.numpy as jnp
-import numpy as np
-
-from pallas_emb import bench
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ON_GPU = jax.devices()[0].platform == "gpu"
@@ -47,7 +44,7 @@ def run_bench(*args, timeout=600):
     env = dict(os.environ)
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
     env.pop("XLA_FLAGS", None)  # the bench sets the device count itself
-    cmd = [sys.executable, "-m", "pallas_emb.bench", *args,
+    cmd = [sys.executable, "-m", "bench.bench", *args,
            f"--json_out={out}"]
     proc = subprocess.run(cmd, cwd=tmp, env=env, capture_output=True,
                           text=True, timeout=timeout, check=False)
@@ -155,34 +152,6 @@ class BenchCliTest(parameterized.TestCase):
     # The config's sizes are the scan's centre.
     self.assertEqual({r["emb_width"] for r in timed}, {8})
     self.assertEqual({r["zipf"] for r in timed}, {0.0})
-
-
-class HloHelpersTest(absltest.TestCase):
-
-  def test_collective_bytes_of_an_all_gather(self):
-    mesh = test_util.mesh({"x": 8})
-    ids = jax.device_put(jnp.arange(64, dtype=jnp.int32),
-                         jax.sharding.NamedSharding(
-                             mesh, jax.sharding.PartitionSpec("x")))
-    fn = jax.jit(jax.shard_map(
-        lambda x: jax.lax.all_gather(x, "x", tiled=True), mesh=mesh,
-        in_specs=jax.sharding.PartitionSpec("x"),
-        out_specs=jax.sharding.PartitionSpec("x")))
-    text = fn.lower(ids).compile().as_text()
-    got = bench.collective_bytes(text, 8)
-    self.assertEqual(got["all-gather"]["count"], 1)
-    self.assertEqual(got["all-gather"]["operand_bytes"], 8 * 4)
-    self.assertEqual(got["all-gather"]["result_bytes"], 64 * 4)
-    self.assertAlmostEqual(got["all-gather"]["wire_bytes"], 64 * 4 * 7 / 8)
-
-  def test_zipf_ids_are_in_range_and_skewed(self):
-    rng = np.random.default_rng(0)
-    ids = bench.zipf_ids(rng, 4096, 1000, 1.05, permute=True)
-    self.assertEqual(ids.dtype, np.int32)
-    self.assertTrue(((ids >= 0) & (ids < 1000)).all())
-    counts = np.bincount(ids, minlength=1000)
-    self.assertGreater(counts.max(), 20 * np.median(counts[counts > 0]))
-    self.assertNotEqual(counts.argmax(), 0)  # the hottest id is not padding
 
 
 if __name__ == "__main__":

@@ -7,7 +7,7 @@ step (pipelined and synchronous), for f32 and bf16 tables on 1 and 8
 (`jit(...).lower(...).compile().as_text()`) has no op that materializes a
 table-sized array.
 
-The detector is `pallas_emb.bench.full_table_ops`:
+The detector is `pallas_emb.testing.hlo.full_table_ops`:
 
 * Only computations whose instructions own buffers are examined: the entry
   computation and what it reaches through while / conditional / call /
@@ -38,8 +38,8 @@ donated in-place f32 scatter.
 Known limit, pinned rather than hidden: on XLA:CPU (jax 0.10) the `xla`
 backend's bf16 update goes through a uint16 view, and XLA:CPU emits the two
 same-width `bitcast-convert`s as loops over the table (see
-`kernels/reference.py` and bench/prototypes.py). For (cpu, xla, bf16) the
-test asserts that exactly those bitcast-converts are found, so it fails as
+`kernels/reference.py` and BUILD.md, Known limitations). For (cpu, xla,
+bf16) the test asserts that exactly those bitcast-converts are found, so it fails as
 soon as anything else shows up, and tells you to tighten it once they are
 gone. Set PALLAS_EMB_HLO_STRICT=1 to treat them as failures too.
 """
@@ -58,7 +58,7 @@ import numpy as np
 import optax
 
 import pallas_emb as pe
-from pallas_emb import bench
+from pallas_emb.testing import hlo
 from pallas_emb import pipeline
 
 VOCAB = 4099
@@ -130,7 +130,7 @@ def _named(**axes):
 class HloTest(parameterized.TestCase):
 
   def check(self, hlo_text, dtype, backend, what):
-    bad = bench.full_table_ops(hlo_text, VOCAB)
+    bad = hlo.full_table_ops(hlo_text, VOCAB)
     found = [f"{b.opcode} {b.name} {b.shape}" for b in bad]
     if known_limit(dtype, backend):
       others = [f for f, b in zip(found, bad)
@@ -195,7 +195,7 @@ class DetectorTest(parameterized.TestCase):
 
   def ops(self, fn, donate, *args):
     text = jax.jit(fn, donate_argnums=donate).lower(*args).compile().as_text()
-    return bench.full_table_ops(text, VOCAB)
+    return hlo.full_table_ops(text, VOCAB)
 
   def args(self, dtype):
     table = jnp.zeros((VOCAB, WIDTH), dtype)
@@ -235,6 +235,25 @@ class DetectorTest(parameterized.TestCase):
     self.assertEmpty(self.ops(
         lambda t, i, g: jax.lax.dynamic_update_slice(t, g[:2], (i[3], 0)),
         (0,), table, ids, grads))
+
+
+class CollectiveBytesTest(absltest.TestCase):
+
+  def test_collective_bytes_of_an_all_gather(self):
+    mesh = test_util.mesh({"x": 8})
+    ids = jax.device_put(jnp.arange(64, dtype=jnp.int32),
+                         jax.sharding.NamedSharding(
+                             mesh, jax.sharding.PartitionSpec("x")))
+    fn = jax.jit(jax.shard_map(
+        lambda x: jax.lax.all_gather(x, "x", tiled=True), mesh=mesh,
+        in_specs=jax.sharding.PartitionSpec("x"),
+        out_specs=jax.sharding.PartitionSpec("x")))
+    text = fn.lower(ids).compile().as_text()
+    got = hlo.collective_bytes(text, 8)
+    self.assertEqual(got["all-gather"]["count"], 1)
+    self.assertEqual(got["all-gather"]["operand_bytes"], 8 * 4)
+    self.assertEqual(got["all-gather"]["result_bytes"], 64 * 4)
+    self.assertAlmostEqual(got["all-gather"]["wire_bytes"], 64 * 4 * 7 / 8)
 
 
 if __name__ == "__main__":

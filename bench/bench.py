@@ -1,10 +1,13 @@
 """Benchmarks: lookup, sparse update, a full sparse step, and the raw kernels.
 
-    python -m pallas_emb.bench --what=step --num_devices=8
-    python -m pallas_emb.bench --what=lookup --dtype=float32,bfloat16
-    python -m pallas_emb.bench --what=step --scan --plot_out=scan.png
-    python -m pallas_emb.bench --what=kernels --backends=pallas,xla     # GPU
-    python -m pallas_emb.bench --what=kernels --backends=interpret,xla \
+Run from the repository root (`pip install -e ".[examples]"` brings optax and
+matplotlib):
+
+    python -m bench.bench --what=step --num_devices=8
+    python -m bench.bench --what=lookup --dtype=float32,bfloat16
+    python -m bench.bench --what=step --scan --plot_out=scan.png
+    python -m bench.bench --what=kernels --backends=pallas,xla     # GPU
+    python -m bench.bench --what=kernels --backends=interpret,xla \
         --vocab_rows=4096 --kernel_tokens=256 --repeats=2               # dry run
 
 What is timed (each jitted, table and optimizer state donated):
@@ -26,13 +29,16 @@ copy bandwidth; the compiled executable's `memory_analysis()` (per device);
 the bytes each collective moves per step, read from the compiled HLO, next
 to the analytic minimum of the column-sharded layout; and how many ops of
 the optimized HLO produce table-sized arrays (copies / converts / full
-passes; see `full_table_ops`).
+passes; see `pallas_emb.testing.hlo.full_table_ops`).
 
 Timing: after `--warmup` rounds, each of `--repeats` rounds runs every case
 `--burst` times in a row and keeps all but the first call of the burst
 (which pays for the cache state the previous case left). Ids cycle through
 `--num_batches` Zipf batches, so most calls see a fresh batch (the hot head
-of the distribution stays cached, the tail does not, as in training). On a
+of the distribution stays cached, the tail does not, as in training). The
+ids are `pallas_emb.datasets.zipf_ids` over rows 1..vocab_rows-1 (row 0, the
+padding id, gets no gradient and is never drawn), all batches from one draw,
+so the same rows are hot in every batch. On a
 GPU the kept calls of a burst are dispatched back to back and waited for
 once (`--pipelined_timing`). `--what=kernels` times the three Pallas
 kernels against their xla twins on one shard, `--inner` ops per executable.
@@ -53,15 +59,17 @@ import dataclasses
 import functools
 import importlib.util
 import json
-import math
 import os
-import re
 import sys
 import time
 from typing import Any, Callable
 
 from absl import app
 from absl import flags
+
+from pallas_emb.datasets import zipf_ids
+from pallas_emb.testing.hlo import collective_bytes
+from pallas_emb.testing.hlo import full_table_ops
 
 WHATS = ("lookup", "update", "step", "kernels")
 
@@ -77,8 +85,9 @@ _ZIPF = flags.DEFINE_float(
     "zipf", 1.05, "Zipf exponent of the ids (truncated to the table); 0 for "
     "uniform ids.")
 _PERMUTE = flags.DEFINE_bool(
-    "permute_ids", True, "Scatter the hot ids over the table (a fixed "
-    "bijection of the rows) instead of leaving them at its start.")
+    "permute_ids", True, "Scatter the hot ids over the table (a seeded "
+    "random permutation of the rows, the same for every batch) instead of "
+    "leaving them at its start.")
 _NUM_DEVICES = flags.DEFINE_integer(
     "num_devices", 1, "Devices in the mesh (simulated on CPU).")
 _DTYPE = flags.DEFINE_list("dtype", ["float32"],
@@ -169,7 +178,7 @@ def apply_config(path: str | None) -> None:
     return
   for name, value in load_config(path).items():
     if name not in flags.FLAGS:
-      raise ValueError(f"pallas_emb.bench config {path} sets {name!r}, which "
+      raise ValueError(f"bench.bench config {path} sets {name!r}, which "
                        "is not a flag of the benchmark (see --help).")
     if not flags.FLAGS[name].present:
       if isinstance(value, (list, tuple)):
@@ -188,7 +197,7 @@ def configure_jax(num_devices: int, extra_flags: str = "") -> None:
     import jax  # pylint: disable=g-import-not-at-top
     if len(jax.devices()) < num_devices:
       raise RuntimeError(
-          f"pallas_emb.bench needs {num_devices} devices but JAX already "
+          f"bench.bench needs {num_devices} devices but JAX already "
           f"started with {len(jax.devices())}; run it in a fresh process.")
     return
   parts = [p for p in os.environ.get("XLA_FLAGS", "").split()
@@ -199,284 +208,8 @@ def configure_jax(num_devices: int, extra_flags: str = "") -> None:
 
 
 # ---------------------------------------------------------------------------
-# HLO analysis (shared with tests/hlo_test.py)
+# collectives: the analytic minimum (the HLO's bytes: pallas_emb.testing.hlo)
 # ---------------------------------------------------------------------------
-
-_DTYPE_BYTES = {
-    "pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2,
-    "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8,
-    "c128": 16, "f8e4m3fn": 1, "f8e5m2": 1, "s4": 1, "u4": 1,
-}
-_ARRAY_RE = re.compile(r"\b([a-z][a-z0-9]*)\[([0-9,]*)\]")
-_INSTR_RE = re.compile(r"^\s*(ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$")
-_COMP_RE = re.compile(r"^\s*(ENTRY\s+)?%?([\w.\-]+)\s*(\(.*\))?\s*->.*\{\s*$")
-
-
-@dataclasses.dataclass
-class HloInstr:
-  """One instruction of an HLO module's text."""
-  name: str
-  computation: str
-  is_root: bool
-  shape: str                       # the result type, e.g. "(f32[4], s32[])"
-  opcode: str
-  operands: list[str]
-  attrs: str                       # everything after the operand list
-  line: str
-
-  def arrays(self) -> list[tuple[str, tuple[int, ...]]]:
-    """(dtype, dims) of every array in the result type (tuples flattened)."""
-    return [(m.group(1), tuple(int(d) for d in m.group(2).split(",") if d))
-            for m in _ARRAY_RE.finditer(self.shape)
-            if m.group(1) in _DTYPE_BYTES]
-
-  def result_bytes(self) -> int:
-    return sum(_DTYPE_BYTES[dt] * math.prod(dims)
-               for dt, dims in self.arrays())
-
-
-def _split_type(rest: str) -> tuple[str, str]:
-  """Splits "TYPE opcode(...)..." into the type and the remainder."""
-  rest = rest.strip()
-  if rest.startswith("("):
-    depth = 0
-    for i, ch in enumerate(rest):
-      depth += ch == "("
-      depth -= ch == ")"
-      if depth == 0:
-        return rest[:i + 1], rest[i + 1:].strip()
-  head, _, tail = rest.partition(" ")
-  return head, tail.strip()
-
-
-def _split_operands(rest: str) -> tuple[str, list[str], str]:
-  """"opcode(a, b), attrs" -> (opcode, operand names, attrs)."""
-  m = re.match(r"([\w\-]+)\((.*)$", rest)
-  if not m:
-    return rest.split(" ")[0], [], ""
-  opcode, body = m.group(1), m.group(2)
-  depth, end = 1, len(body)
-  for i, ch in enumerate(body):
-    depth += ch in "({["
-    depth -= ch in ")}]"
-    if depth == 0:
-      end = i
-      break
-  names = re.findall(r"%([\w.\-]+)", body[:end])
-  return opcode, names, body[end + 1:]
-
-
-def parse_hlo(text: str) -> dict[str, list[HloInstr]]:
-  """Computation name -> its instructions, from `compiled.as_text()`."""
-  comps: dict[str, list[HloInstr]] = {}
-  current = None
-  for line in text.splitlines():
-    if current is None:
-      m = _COMP_RE.match(line)
-      if m and not line.lstrip().startswith("HloModule"):
-        current = ("ENTRY:" if m.group(1) else "") + m.group(2)
-        comps[current] = []
-      continue
-    if line.strip() == "}":
-      current = None
-      continue
-    m = _INSTR_RE.match(line)
-    if not m:
-      continue
-    shape, rest = _split_type(m.group(3))
-    opcode, operands, attrs = _split_operands(rest)
-    comps[current].append(HloInstr(m.group(2), current, bool(m.group(1)),
-                                   shape, opcode, operands, attrs, line))
-  return comps
-
-
-def _called(attrs: str, key: str) -> list[str]:
-  m = re.search(key + r"=\{?([%\w.\-, ]+)\}?", attrs)
-  if not m:
-    return []
-  return [c.strip().lstrip("%") for c in m.group(1).split(",") if c.strip()]
-
-
-def buffer_computations(comps: dict[str, list[HloInstr]]) -> set[str]:
-  """Computations whose instructions produce real buffers.
-
-  The entry computation, while bodies/conditions, conditional branches,
-  `call`ed and async-wrapped computations. Not: fused computations (their
-  instructions are evaluated element by element inside one loop; only the
-  fusion's output is a buffer) and the scalar combiners of reduce / scatter
-  / sort / all-reduce.
-  """
-  entry = [c for c in comps if c.startswith("ENTRY:")]
-  keep, todo = set(entry), list(entry)
-  by_plain = {c.split(":", 1)[-1]: c for c in comps}
-  while todo:
-    comp = todo.pop()
-    for ins in comps[comp]:
-      found = []
-      if ins.opcode == "while":
-        found += _called(ins.attrs, "body") + _called(ins.attrs, "condition")
-      elif ins.opcode == "conditional":
-        found += (_called(ins.attrs, "branch_computations") +
-                  _called(ins.attrs, "true_computation") +
-                  _called(ins.attrs, "false_computation"))
-      elif ins.opcode == "call":
-        found += _called(ins.attrs, "to_apply")
-      elif ins.opcode.endswith("-start") or ins.opcode == "async-start":
-        found += _called(ins.attrs, "calls")
-      for name in found:
-        full = by_plain.get(name)
-        if full and full not in keep:
-          keep.add(full)
-          todo.append(full)
-  return keep
-
-
-# Ops that produce a table-sized result without touching its elements.
-_VIEW_OPS = frozenset({
-    "parameter", "get-tuple-element", "tuple", "bitcast", "while",
-    "conditional", "call", "optimization-barrier", "add-dependency",
-    "after-all", "async-done", "copy-done"})
-_INPLACE_OPS = frozenset({"scatter", "dynamic-update-slice"})
-
-
-def _strip_bitcasts(instr: HloInstr, by_name: dict[str, HloInstr]) -> HloInstr:
-  while instr.opcode == "bitcast" and instr.operands:
-    instr = by_name.get(instr.operands[0], instr)
-    if instr.opcode != "bitcast":
-      break
-  return instr
-
-
-def _inplace_fusion(fusion: HloInstr, comps, by_comp_name,
-                    size: TableSize) -> bool:
-  """Whether a fusion is an in-place scatter / dynamic-update-slice.
-
-  Its fused root (through bitcasts; each element of a tuple root) must be a
-  scatter or dynamic-update-slice whose updated operand is (through bitcasts)
-  a parameter of the fusion of the same type: no convert, copy or
-  arithmetic on the table-sized operand inside the fusion.
-  """
-  called = _called(fusion.attrs, "calls")
-  if not called or called[0] not in by_comp_name:
-    return False
-  body = comps[by_comp_name[called[0]]]
-  by_name = {i.name: i for i in body}
-  root = next((i for i in body if i.is_root), None)
-  if root is None:
-    return False
-  roots = ([by_name[n] for n in root.operands if n in by_name]
-           if root.opcode == "tuple" else [root])
-  for r in roots:
-    r = _strip_bitcasts(r, by_name)
-    if r.opcode not in _INPLACE_OPS:
-      if _big(r, size):
-        return False
-      continue
-    target = _strip_bitcasts(by_name.get(r.operands[0], r), by_name)
-    if target.opcode != "parameter":
-      return False
-    if [a[0] for a in target.arrays()] != [a[0] for a in r.arrays()]:
-      return False
-  return True
-
-
-@dataclasses.dataclass(frozen=True)
-class TableSize:
-  """What counts as table-sized: a leading dimension of `rows` (the table,
-  its row state, a dense gradient), or at least `min_elements` elements
-  (flat views of the shard)."""
-  rows: int
-  min_elements: int
-
-  def matches(self, dims: tuple[int, ...]) -> bool:
-    return bool(dims) and (dims[0] == self.rows or
-                           math.prod(dims) >= self.min_elements)
-
-
-def _big(instr: HloInstr, size: TableSize) -> bool:
-  return any(size.matches(dims) for _, dims in instr.arrays())
-
-
-def full_table_ops(hlo_text: str, rows: int,
-                   min_elements: int | None = None) -> list[HloInstr]:
-  """Ops that materialize a table-sized array: copies, converts, full passes.
-
-  An op counts if it sits in a buffer-producing computation (see
-  `buffer_computations`; ops inside fused computations are elemental and
-  only the fusion's output is a buffer) and its result holds a table-sized
-  array: leading dimension `rows` (the table's row count: the table, its
-  shard, the row state, a dense gradient), or at least `min_elements`
-  elements (default `rows`; pass the shard's element count when per-batch
-  arrays can have more than `rows` elements). Exempt: views and control flow
-  (`_VIEW_OPS`: parameter, get-tuple-element, tuple, bitcast, while, ...),
-  the in-place `scatter` / `dynamic-update-slice` (bare, or as the root of
-  a fusion whose updated operand is a fusion parameter of the same dtype),
-  and custom calls that alias an output to an operand (in-place Pallas
-  kernels). Everything else -- `copy`, `convert`, `bitcast-convert`, a loop
-  fusion writing the whole table, a collective on the whole table -- is
-  returned.
-  """
-  size = TableSize(rows, rows if min_elements is None else min_elements)
-  comps = parse_hlo(hlo_text)
-  by_comp_name = {c.split(":", 1)[-1]: c for c in comps}
-  bad = []
-  for comp in buffer_computations(comps):
-    for ins in comps[comp]:
-      if not _big(ins, size) or ins.opcode in _VIEW_OPS:
-        continue
-      if ins.opcode in _INPLACE_OPS:
-        continue
-      if ins.opcode == "custom-call" and "output_to_operand_aliasing" in \
-          ins.attrs:
-        continue
-      if ins.opcode == "fusion" and _inplace_fusion(ins, comps, by_comp_name,
-                                                    size):
-        continue
-      bad.append(ins)
-  return bad
-
-
-_COLLECTIVES = {
-    "all-gather": "all-gather", "all-gather-start": "all-gather",
-    "all-to-all": "all-to-all", "all-reduce": "all-reduce",
-    "all-reduce-start": "all-reduce", "reduce-scatter": "reduce-scatter",
-    "collective-permute": "collective-permute",
-    "collective-permute-start": "collective-permute",
-}
-
-
-def collective_bytes(hlo_text: str, group_size: int) -> dict[str, dict]:
-  """Per collective kind: count, operand and result bytes per device, and
-  the bytes each device sends over the wire (ring/pairwise estimate:
-  all-gather result*(W-1)/W, all-to-all operand*(W-1)/W, all-reduce
-  2*operand*(W-1)/W, reduce-scatter operand*(W-1)/W)."""
-  comps = parse_hlo(hlo_text)
-  by_name = {i.name: i for c in comps.values() for i in c}
-  out: dict[str, dict] = {}
-  w = max(group_size, 1)
-  for comp in buffer_computations(comps):
-    for ins in comps[comp]:
-      kind = _COLLECTIVES.get(ins.opcode)
-      if kind is None:
-        continue
-      operand = sum(by_name[n].result_bytes() for n in ins.operands
-                    if n in by_name)
-      result = ins.result_bytes()
-      if ins.opcode.endswith("-start"):
-        # Async starts return (operand, result[, scratch]) tuples.
-        result = max(result - operand, 0) or operand
-      wire = {"all-gather": result * (w - 1) / w,
-              "all-to-all": operand * (w - 1) / w,
-              "all-reduce": 2 * operand * (w - 1) / w,
-              "reduce-scatter": operand * (w - 1) / w,
-              "collective-permute": operand}[kind]
-      entry = out.setdefault(kind, {"count": 0, "operand_bytes": 0,
-                                    "result_bytes": 0, "wire_bytes": 0.0})
-      entry["count"] += 1
-      entry["operand_bytes"] += operand
-      entry["result_bytes"] += result
-      entry["wire_bytes"] += wire
-  return out
 
 
 def collective_minimum(what: str, group_size: int, tokens_per_rank: int,
@@ -535,33 +268,6 @@ class Workload:
   lazy: bool = False
   learning_rate: float = 0.01
   num_batches: int = 16
-
-
-def zipf_ids(rng, n: int, vocab_rows: int, exponent: float,
-             permute: bool):
-  """`n` int32 ids, Zipf(exponent) truncated to `[0, vocab_rows)`.
-
-  Rank k (1-based) has probability ~ k**-exponent; draws past the table are
-  rejected (not clamped: clamping would pile the tail onto one fake hot
-  id). With `permute`, rank k maps to row `(k * P + 12345) mod V` for a
-  prime P, a bijection that scatters the hot rows over the table (and keeps
-  the hottest off the padding id 0).
-  """
-  import numpy as np  # pylint: disable=g-import-not-at-top
-  if exponent <= 0:
-    ranks = rng.integers(0, vocab_rows, n)
-  else:
-    chunks, have = [], 0
-    while have < n:
-      draw = rng.zipf(exponent, 2 * n)
-      draw = draw[draw <= vocab_rows] - 1
-      chunks.append(draw)
-      have += draw.size
-    ranks = np.concatenate(chunks)[:n]
-  if permute:
-    prime = 1_000_003 if vocab_rows % 1_000_003 else 999_983
-    ranks = (ranks.astype(np.int64) * prime + 12345) % vocab_rows
-  return ranks.astype(np.int32)
 
 
 def _stats(times: list[float]) -> dict[str, float]:
@@ -725,8 +431,8 @@ def build_cases(work: Workload, what: str, backends: list[str],
   ctx = pe.make_context(mesh, "x", tokens_per_batch=n, emb_width=e,
                         num_unique=num_unique)
   rng = np.random.default_rng(work.seed)
-  ids_np = [zipf_ids(rng, n, v, work.zipf, work.permute_ids)
-            for _ in range(max(work.num_batches, 1))]
+  ids_np = list(zipf_ids(rng, v - 1, n * max(work.num_batches, 1), work.zipf,
+                         permute=work.permute_ids).reshape(-1, n))
   distinct = float(np.mean([np.unique(b).size for b in ids_np]))
   dtype = jnp.dtype(work.dtype)
   itemsize = dtype.itemsize
@@ -971,7 +677,7 @@ def kernel_cases(vocab_rows: int, width: int, tokens: int, dtype: str,
   device = jax.devices()[0]
   sharding = SingleDeviceSharding(device)
   put = lambda x: jax.device_put(x, device)
-  ids_np = zipf_ids(rng, tokens, vocab_rows, zipf, True)
+  ids_np = zipf_ids(rng, vocab_rows - 1, tokens, zipf)
   uniq, inverse = np.unique(ids_np, return_inverse=True)
   num_unique = tokens + 1
   distinct = int(uniq.size)
@@ -1191,7 +897,7 @@ def plot_scan(records: list[dict], path: str) -> None:
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=7)
   what = records[0]["what"] if records else ""
-  fig.suptitle(f"pallas_emb.bench --scan --what={what}")
+  fig.suptitle(f"bench.bench --scan --what={what}")
   fig.tight_layout()
   fig.savefig(path, dpi=110)
 

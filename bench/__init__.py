@@ -1,0 +1,1 @@
+"""The benchmark programs: `python -m bench.bench --help` (run from the repo root)."""
