@@ -1,15 +1,44 @@
-"""Named workloads for `python -m pallas_emb.train --config=configs/<name>.py`.
+"""Named workloads for the programs: `python -m examples.train --config=configs/<name>.py`.
 
-A config is a python file defining `get_config() -> TrainConfig`. Every field
-is also a command-line flag of the binary (`--<field>=value`) whose default
-is the config file's value; `--help` lists them with the help text below.
+A training config is a python file defining `get_config() -> TrainConfig`.
+Every field is also a command-line flag of the program (`--<field>=value`)
+whose default is the config file's value; `--help` lists them with the help
+text below. A benchmark config (`bench_*.py`) returns a dict of
+`python -m bench.bench` flags.
 
-Plain python, no jax: the binary loads the config before it imports jax.
+Plain python, no jax: the programs load a config before they import jax.
+Not installed by `pip install`: the programs import it from the repo root.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
+import os
+from typing import Any
+
+
+class ConfigError(ValueError):
+  """A config that cannot be run (bad file, bad value)."""
+
+
+def load_file(path: str, program: str) -> Any:
+  """`get_config()` of the python file at `path`, whatever it returns.
+
+  Raises ConfigError, naming `program`, when the file does not exist or
+  defines no get_config().
+  """
+  if not os.path.isfile(path):
+    raise ConfigError(f"{program}: config file {path!r} does not exist; "
+                      "pass one of the files in configs/, e.g. "
+                      "--config=configs/tiny.py.")
+  spec = importlib.util.spec_from_file_location("_pallas_emb_config", path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  if not hasattr(module, "get_config"):
+    raise ConfigError(f"{program}: config file {path!r} defines no "
+                      "get_config().")
+  return module.get_config()
 
 
 def _field(default, help_text: str):
@@ -24,7 +53,7 @@ class TrainConfig:
   data: str = _field("synthetic", "Dataset: 'synthetic' or 'movielens'.")
   data_path: str = _field(
       "", "MovieLens-100k u.data / ml-100k.inter / directory / recbole wheel; "
-      "'' searches the default places (data.load_movielens).")
+      "'' searches the default places (pallas_emb.datasets.load_movielens).")
   split_seed: int = _field(0, "Seed of the random train/test split.")
   test_fraction: float = _field(0.2, "Fraction of examples held out for test.")
   num_examples: int = _field(20_000, "Synthetic: number of examples.")

@@ -2,7 +2,7 @@
 
 Do not run it as is on a laptop; a smoke test overrides the sizes:
 
-    python -m pallas_emb.train --config=configs/large.py \
+    python -m examples.train --config=configs/large.py \
         --num_examples=65536 --num_users=100000 --num_items=100000 \
         --num_steps=4 --batch_size=8192
 """

@@ -1,6 +1,6 @@
 """MovieLens-100k rating prediction: biased MF, random 80/20 split.
 
-    python -m pallas_emb.train --config=configs/movielens.py --split_seed=0
+    python -m examples.train --config=configs/movielens.py --split_seed=0
 
 Test RMSE <= 0.93 on the held-out 20% for split seeds 0..4 (Surprise's SVD
 gets 0.934), in about a minute on a 2-core CPU.

