@@ -57,7 +57,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import importlib.util
 import json
 import os
 import sys
@@ -67,6 +66,7 @@ from typing import Any, Callable
 from absl import app
 from absl import flags
 
+import configs
 from pallas_emb.datasets import zipf_ids
 from pallas_emb.testing.hlo import collective_bytes
 from pallas_emb.testing.hlo import full_table_ops
@@ -163,10 +163,7 @@ _save_partial: Callable[[list], None] = lambda records: None
 
 def load_config(path: str) -> dict[str, Any]:
   """`get_config()` of a python file, as a dict of flag values."""
-  spec = importlib.util.spec_from_file_location("bench_config", path)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  config = module.get_config()
+  config = configs.load_file(path, "bench.bench")
   if dataclasses.is_dataclass(config):
     config = dataclasses.asdict(config)
   return dict(config)
