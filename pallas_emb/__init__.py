@@ -5,20 +5,24 @@ from pallas_emb.dedup import DedupResult
 from pallas_emb.dedup import default_num_unique
 from pallas_emb.dedup import FILL_VALUE
 from pallas_emb.dedup import raise_if_overflow
-from pallas_emb.dedup import UniqueOverflowError
+from pallas_emb.errors import CheckpointError
+from pallas_emb.errors import Error
+from pallas_emb.errors import HyperParameterError
+from pallas_emb.errors import IdOutOfRangeError
+from pallas_emb.errors import InputError
+from pallas_emb.errors import PipelineMisuse
+from pallas_emb.errors import ShardingError
+from pallas_emb.errors import UniqueOverflowError
 from pallas_emb.exchange import replicated_sharding
 from pallas_emb.exchange import table_sharding
 from pallas_emb.exchange import token_sharding
 from pallas_emb.lookup import count_out_of_range
-from pallas_emb.lookup import IdOutOfRangeError
 from pallas_emb.lookup import lookup
 from pallas_emb.lookup import raise_if_out_of_range
 from pallas_emb.optim import apply_gradients
-from pallas_emb.optim import HyperParameterError
 from pallas_emb.optim import RowwiseAdagrad
 from pallas_emb.optim import RowwiseAdagradState
 from pallas_emb.optim import UpdateStats
-from pallas_emb.pipeline import PipelineMisuse
 from pallas_emb.pipeline import PipelineState
 from pallas_emb.pipeline import TableSpec
 from pallas_emb.pipeline import Trainer
@@ -26,7 +30,40 @@ from pallas_emb.validation import BACKENDS
 from pallas_emb.validation import check_single_shard_per_rank
 from pallas_emb.validation import EmbeddingContext
 from pallas_emb.validation import make_context
-from pallas_emb.validation import ShardingError
 from pallas_emb.validation import single_shard_per_rank
 
 __version__ = "0.1.0"
+
+__all__ = [
+    "BACKENDS",
+    "CheckpointError",
+    "DedupResult",
+    "EmbeddingContext",
+    "Error",
+    "FILL_VALUE",
+    "HyperParameterError",
+    "IdOutOfRangeError",
+    "InputError",
+    "PipelineMisuse",
+    "PipelineState",
+    "RowwiseAdagrad",
+    "RowwiseAdagradState",
+    "ShardingError",
+    "TableSpec",
+    "Trainer",
+    "UniqueOverflowError",
+    "UpdateStats",
+    "apply_gradients",
+    "check_single_shard_per_rank",
+    "count_out_of_range",
+    "dedup",
+    "default_num_unique",
+    "lookup",
+    "make_context",
+    "raise_if_out_of_range",
+    "raise_if_overflow",
+    "replicated_sharding",
+    "single_shard_per_rank",
+    "table_sharding",
+    "token_sharding",
+]

@@ -36,12 +36,10 @@ from typing import Any
 import jax
 import numpy as np
 
+from pallas_emb.errors import CheckpointError
+
 # Orbax's commit marker (written last in both of its atomicity modes).
 _COMMIT_MARKER = "commit_success.txt"
-
-
-class CheckpointError(ValueError):
-  """A checkpoint that is missing, incomplete, or does not fit the target."""
 
 
 def _orbax():

@@ -13,11 +13,11 @@ from jax.sharding import PartitionSpec as P
 
 from pallas_emb import exchange
 from pallas_emb import validation
+from pallas_emb.errors import UniqueOverflowError
 from pallas_emb.validation import EmbeddingContext
 
 # Pads unique_tokens; >= any vocab_rows, so the update skips it.
 FILL_VALUE = np.iinfo(np.int32).max
-PADDING_ID = 0
 
 
 class DedupResult(NamedTuple):
@@ -26,9 +26,10 @@ class DedupResult(NamedTuple):
   unique_tokens: int32 `[num_unique]`, sorted, padded with FILL_VALUE;
     identical on every rank.
   segment_ids: int32, shaped and sharded like the token ids: each token's
-    index into unique_tokens; -1 for the padding id 0 (no gradient) and for
+    index into unique_tokens; -1 for the padding id (no gradient) and for
     tokens that did not fit.
-  num_distinct: int32 scalar, distinct ids in the batch (padding included).
+  num_distinct: int32 scalar, distinct rows the batch's ids update or pad
+    (ids outside the table after one wrap are not counted).
   num_overflow: int32 scalar, distinct ids that did not fit in num_unique.
   """
   unique_tokens: jax.Array
@@ -37,52 +38,90 @@ class DedupResult(NamedTuple):
   num_overflow: jax.Array
 
 
-class UniqueOverflowError(ValueError):
-  """A batch had more distinct ids than the context's num_unique."""
+def unique_and_segments(keys: jax.Array, num_unique: int):
+  """Sorted unique keys (padded with FILL_VALUE) and each key's slot.
+
+  `keys` are int32 rows; FILL_VALUE marks a key that takes no slot (and
+  gets segment -1). One sort with the positions as payload gives both the
+  unique list and, through the inverse permutation, every key's slot: no
+  searchsorted (a chain of log N small kernels on GPU).
+
+  Returns `(unique_tokens[num_unique], segment_ids like keys, num_distinct,
+  num_overflow)`; keys whose slot is >= num_unique get segment -1 and are
+  counted in num_overflow.
+  """
+  n = keys.shape[0]
+  ordered, order = lax.sort((keys, lax.iota(jnp.int32, n)), num_keys=1)
+  is_first = jnp.concatenate(
+      [ordered[:1] != FILL_VALUE, (ordered[1:] != ordered[:-1])
+       & (ordered[1:] != FILL_VALUE)])
+  slot = jnp.cumsum(is_first, dtype=jnp.int32) - 1
+  num_distinct = slot[-1] + 1
+  unique_tokens = jnp.full((num_unique,), FILL_VALUE, jnp.int32).at[
+      jnp.where(is_first, slot, num_unique)].set(ordered, mode="drop")
+  keep = (ordered != FILL_VALUE) & (slot < num_unique)
+  segment_ids = jnp.zeros((n,), jnp.int32).at[order].set(
+      jnp.where(keep, slot, -1), unique_indices=True)
+  num_overflow = jnp.maximum(num_distinct - num_unique, 0)
+  return unique_tokens, segment_ids, num_distinct, num_overflow
 
 
-def _batch_axes(ctx: EmbeddingContext):
-  """All axes the global batch is spread over (replicas included)."""
-  axes = ctx.replica_axis + ctx.table_axis
-  return axes[0] if len(axes) == 1 else axes
+def update_keys(ids: jax.Array, vocab_rows: int,
+                padding_id: int | None) -> jax.Array:
+  """The row each id updates (wrapped once), or FILL_VALUE.
+
+  FILL_VALUE for the padding id and for ids still outside the table after
+  the wrap: lookup clamps those onto a real row, but the update skips them.
+  """
+  rows = jnp.where(ids < 0, ids + vocab_rows, ids)
+  ok = (rows >= 0) & (rows < vocab_rows)
+  if padding_id is not None:
+    ok &= ids != padding_id
+  return jnp.where(ok, rows, FILL_VALUE)
 
 
 def _dedup_per_rank(ctx, vocab_rows, ids):
   local = ids.reshape(-1)
-  if vocab_rows is not None:
-    local = jnp.where(local < 0, local + vocab_rows, local)
   everyone = local
   if ctx.group_size * ctx.num_replicas > 1:
-    everyone = lax.all_gather(local, _batch_axes(ctx), axis=0, tiled=True)
-  ordered = jnp.sort(everyone)
-  is_first = jnp.concatenate(
-      [jnp.ones((1,), bool), ordered[1:] != ordered[:-1]])
-  slot = jnp.cumsum(is_first) - 1
-  num_distinct = slot[-1] + 1
-  unique_tokens = jnp.full((ctx.num_unique,), FILL_VALUE, jnp.int32).at[
-      jnp.where(is_first, slot, ctx.num_unique)].set(ordered, mode="drop")
-  found = jnp.searchsorted(unique_tokens, local).astype(jnp.int32)
-  found_ok = jnp.take(unique_tokens, found, mode="clip") == local
-  segment_ids = jnp.where(
-      (found < ctx.num_unique) & found_ok & (local != PADDING_ID), found, -1)
-  num_overflow = jnp.maximum(num_distinct - ctx.num_unique, 0)
-  return DedupResult(unique_tokens, segment_ids.reshape(ids.shape),
+    everyone = lax.all_gather(
+        local, exchange.axis_name(ctx.replica_axis + ctx.table_axis), axis=0,
+        tiled=True)
+  # An id is wrapped exactly once, as lookup does; what is still outside the
+  # table takes no slot (lookup clamps it, the update skips it). The padding
+  # id keeps its slot, as in the reference, but gets no gradient.
+  unique_tokens, segments, num_distinct, num_overflow = unique_and_segments(
+      update_keys(everyone, vocab_rows, None), ctx.num_unique)
+  if ctx.padding_id is not None:
+    segments = jnp.where(everyone == ctx.padding_id, -1, segments)
+  mine = segments
+  if ctx.group_size * ctx.num_replicas > 1:
+    rank = lax.axis_index(
+        exchange.axis_name(ctx.replica_axis + ctx.table_axis))
+    mine = lax.dynamic_slice_in_dim(segments, rank * local.shape[0],
+                                    local.shape[0])
+  return DedupResult(unique_tokens, mine.reshape(ids.shape),
                      num_distinct.astype(jnp.int32),
                      num_overflow.astype(jnp.int32))
 
 
-def dedup(ctx: EmbeddingContext, token_ids: jax.Array, *,
-          vocab_rows: int | None = None) -> DedupResult:
+def dedup(ctx: EmbeddingContext, token_ids, *,
+          vocab_rows: int) -> DedupResult:
   """Unique tokens and per-token segment ids of a global batch.
 
   Args:
-    ctx: the layout.
-    token_ids: int32 ids, sharded like lookup's input.
-    vocab_rows: if given, negative ids are wrapped once first (as lookup
-      does), so that `-1` and `vocab_rows - 1` share one unique slot. Pass it
-      whenever negative ids can occur.
+    ctx: the layout (its padding_id gets segment -1).
+    token_ids: int32 ids, sharded like lookup's input (array-likes are
+      converted and placed).
+    vocab_rows: rows of the table. Required: negative ids are wrapped once
+      first (as lookup does), so `-1` and `vocab_rows - 1` share one unique
+      slot; without it they would be two slots updating one row, and one
+      gradient would be lost.
   """
+  validation.check_positive("vocab_rows", vocab_rows)
+  token_ids = validation.as_ids(token_ids)
   validation.check_token_ids(ctx, token_ids)
+  token_ids = exchange.place_tokens(ctx, token_ids)
   fn = functools.partial(_dedup_per_rank, ctx, vocab_rows)
   return exchange.shard(
       ctx, fn, in_specs=(exchange.token_spec(ctx),),

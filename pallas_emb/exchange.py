@@ -14,6 +14,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from pallas_emb import validation
 from pallas_emb.validation import EmbeddingContext
 
 
@@ -57,6 +58,26 @@ def place(x: jax.Array, sharding: NamedSharding) -> jax.Array:
   return jax.lax.with_sharding_constraint(x, sharding)
 
 
+def place_table(ctx: EmbeddingContext, table: jax.Array) -> jax.Array:
+  """A table that was not placed (fresh array, tracer) onto its sharding.
+
+  A committed table on another sharding was rejected by
+  `validation.check_table`: moving a huge table silently is not our call.
+  """
+  if validation.is_committed(table):
+    return table
+  return place(table, table_sharding(ctx))
+
+
+def place_tokens(ctx: EmbeddingContext, x: jax.Array) -> jax.Array:
+  """Ids (or per-token values) onto the token sharding, placed or not.
+
+  Cheap (one batch), and what keeps an uncommitted array on an Explicit
+  mesh from reaching `shard_map` with the wrong sharding type.
+  """
+  return place(x, token_sharding(ctx))
+
+
 def shard(ctx: EmbeddingContext, fn, in_specs, out_specs):
   """`shard_map` over the context's mesh.
 
@@ -69,8 +90,8 @@ def shard(ctx: EmbeddingContext, fn, in_specs, out_specs):
 # --- per-rank collectives ----------------------------------------------------
 
 
-def _communicator(ctx: EmbeddingContext):
-  axes = ctx.table_axis
+def axis_name(axes: tuple[str, ...]):
+  """The `axis_name` argument of a collective over mesh axes `axes`."""
   return axes[0] if len(axes) == 1 else axes
 
 
@@ -78,14 +99,14 @@ def all_gather_ids(ctx: EmbeddingContext, ids: jax.Array) -> jax.Array:
   """`[T]` local ids -> `[W*T]` ids of the communicator, source-rank major."""
   if ctx.group_size == 1:
     return ids
-  return lax.all_gather(ids, _communicator(ctx), axis=0, tiled=True)
+  return lax.all_gather(ids, axis_name(ctx.table_axis), axis=0, tiled=True)
 
 
 def _all_to_all(ctx: EmbeddingContext, x: jax.Array) -> jax.Array:
   """Block w of the leading dim goes to rank w; block w back is from rank w."""
   if ctx.group_size == 1:
     return x
-  return lax.all_to_all(x, _communicator(ctx), 0, 0, tiled=True)
+  return lax.all_to_all(x, axis_name(ctx.table_axis), 0, 0, tiled=True)
 
 
 def exchange_rows(ctx: EmbeddingContext, rows: jax.Array) -> jax.Array:

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 from pallas_emb import exchange
 from pallas_emb import kernels
 from pallas_emb import validation
+from pallas_emb.errors import IdOutOfRangeError
 from pallas_emb.kernels import common
 from pallas_emb.validation import EmbeddingContext
 
@@ -64,21 +65,20 @@ def lookup(ctx: EmbeddingContext, table: jax.Array, token_ids: jax.Array, *,
   """Embeddings `token_ids.shape + (emb_width,)` of a column-sharded table.
 
   A pure copy of `table[ids]` (negative ids wrapped once, then clamped into
-  the table), sharded like the ids. Differentiable w.r.t. the table: the
+  the table), sharded like the ids. Ids may be any integer array-like; they
+  are converted to int32 and placed on the context's token sharding. Differentiable w.r.t. the table: the
   cotangent is the dense scatter-add, right for any optax optimizer but
   O(vocab) memory; `apply_gradients` is the sparse path.
   """
   validation.check_table(ctx, table)
+  token_ids = validation.as_ids(token_ids)
   validation.check_token_ids(ctx, token_ids)
   backend = validation.resolve_backend(ctx, backend)
-  return _lookup(ctx, backend, table, token_ids)
+  return _lookup(ctx, backend, exchange.place_table(ctx, table),
+                 exchange.place_tokens(ctx, token_ids))
 
 
 # --- opt-in id checking --------------------------------------------------------
-
-
-class IdOutOfRangeError(ValueError):
-  """Token ids outside [-vocab_rows, vocab_rows) in checking mode."""
 
 
 def count_out_of_range(token_ids: jax.Array, vocab_rows: int) -> jax.Array:

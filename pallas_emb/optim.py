@@ -23,6 +23,8 @@ from pallas_emb import exchange
 from pallas_emb import kernels
 from pallas_emb import validation
 from pallas_emb.kernels import common
+from pallas_emb.errors import HyperParameterError
+from pallas_emb.errors import InputError
 from pallas_emb.kernels.hparams import AdagradHParams
 from pallas_emb.validation import EmbeddingContext
 
@@ -53,10 +55,6 @@ class UpdateStats(NamedTuple):
   valid: jax.Array
   pending: jax.Array
   num_overflow: jax.Array
-
-
-class HyperParameterError(ValueError):
-  """A RowwiseAdagrad hyper-parameter out of its range."""
 
 
 def _finite(x) -> bool:
@@ -162,8 +160,7 @@ def _ordered_sum(x: jax.Array, axes) -> jax.Array:
   multi-process run; gathering and summing locally gives the same bits
   everywhere, for a payload of only `[ranks, num_unique (+1)]` floats.
   """
-  axes = axes[0] if len(axes) == 1 else axes
-  return jnp.sum(lax.all_gather(x, axes, axis=0), axis=0)
+  return jnp.sum(lax.all_gather(x, exchange.axis_name(axes), axis=0), axis=0)
 
 
 def _apply_per_rank(ctx, opt, backend, table, row_state, last_step, step,
@@ -217,6 +214,8 @@ def apply_gradients(ctx: EmbeddingContext, opt: RowwiseAdagrad,
   validation.check_grads(ctx, emb_grads, dedup_result.segment_ids.shape)
   _check_state(ctx, opt, table, opt_state)
   backend = validation.resolve_backend(ctx, backend)
+  table = exchange.place_table(ctx, table)
+  emb_grads = exchange.place_tokens(ctx, emb_grads)
   tokens = exchange.token_spec(ctx)
   state_spec = RowwiseAdagradState(
       P(), None if opt_state.last_step is None else P(), P())
@@ -236,16 +235,16 @@ def apply_gradients(ctx: EmbeddingContext, opt: RowwiseAdagrad,
 def _check_state(ctx, opt, table, opt_state) -> None:
   vocab_rows = table.shape[0]
   if not isinstance(opt_state, RowwiseAdagradState):
-    raise validation.ShardingError(
+    raise InputError(
         f"pallas_emb opt_state is a {type(opt_state).__name__}; expected the "
         "RowwiseAdagradState that opt.init(ctx, table) returns.")
   if tuple(opt_state.row_state.shape) != (vocab_rows,):
-    raise validation.ShardingError(
+    raise InputError(
         f"pallas_emb opt_state.row_state has shape "
         f"{tuple(opt_state.row_state.shape)}; expected ({vocab_rows},), one "
         "accumulator per table row. Re-create it with opt.init(ctx, table).")
   if opt.lazy != (opt_state.last_step is not None):
-    raise validation.ShardingError(
+    raise InputError(
         f"pallas_emb RowwiseAdagrad(lazy={opt.lazy}) was given the state of "
         f"a lazy={not opt.lazy} optimizer; re-create it with "
         "opt.init(ctx, table).")

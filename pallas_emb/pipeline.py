@@ -25,6 +25,7 @@ from pallas_emb.dedup import DedupResult
 from pallas_emb.exchange import replicated_sharding
 from pallas_emb.lookup import lookup
 from pallas_emb import optim
+from pallas_emb.errors import PipelineMisuse
 from pallas_emb.validation import EmbeddingContext
 
 LossFn = Callable[[Any, Mapping[str, jax.Array], Mapping[str, jax.Array]],
@@ -33,10 +34,6 @@ LossFn = Callable[[Any, Mapping[str, jax.Array], Mapping[str, jax.Array]],
 
 def _replicated_false(ctx: EmbeddingContext) -> jax.Array:
   return jax.device_put(jnp.asarray(False), replicated_sharding(ctx))
-
-
-class PipelineMisuse(ValueError):
-  """A pipeline state consumed in a way its step does not allow."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -13,12 +13,17 @@ import math
 from typing import Sequence
 
 import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_emb.errors import InputError
+from pallas_emb.errors import ShardingError
 
 AxisNames = tuple[str, ...]
 
-
-class ShardingError(ValueError):
-  """A layout that breaks the pallas_emb sharding contract."""
+# The kernel implementations `backend=` chooses between (DESIGN §7).
+BACKENDS = ("pallas", "interpret", "xla")
+TABLE_DTYPES = ("float32", "bfloat16")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,6 +44,7 @@ class EmbeddingContext:
   num_unique: int
   num_devices_per_node: int
   replica_axis: AxisNames = ()
+  padding_id: int | None = 0
 
   @property
   def num_replicas(self) -> int:
@@ -55,19 +61,20 @@ def _as_axes(axes: str | Sequence[str], what: str) -> AxisNames:
     return (axes,)
   axes = tuple(axes)
   if not all(isinstance(a, str) for a in axes):
-    raise ShardingError(
+    raise InputError(
         f"pallas_emb {what} must be a mesh axis name or a tuple of names; "
         f"got {axes!r}.")
   return axes
 
 
-def _check_positive(name: str, value) -> None:
+def check_positive(name: str, value) -> None:
   if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-    raise ShardingError(
+    raise InputError(
         f"pallas_emb {name}={value!r} must be a positive integer.")
 
 
-def _group_size(mesh, axes: AxisNames) -> int:
+def axes_size(mesh, axes: AxisNames) -> int:
+  """Number of positions of the mesh over `axes`."""
   return math.prod(mesh.shape[a] for a in axes)
 
 
@@ -112,36 +119,15 @@ def check_single_shard_per_rank(mesh, table_axis, data_axis) -> None:
         "replica.")
 
 
-def make_context(mesh: jax.sharding.Mesh,
-                 table_axis: str | Sequence[str],
-                 *,
-                 data_axis: str | Sequence[str] | None = None,
-                 tokens_per_batch: int,
-                 emb_width: int,
-                 num_unique: int,
-                 num_devices_per_node: int | None = None,
-                 replica_axis: str | Sequence[str] = ()) -> EmbeddingContext:
-  """Validates a layout and returns its `EmbeddingContext`.
+def check_layout(mesh, table_axis, data_axis, replica_axis, caller: str
+                 ) -> tuple[AxisNames, AxisNames, AxisNames]:
+  """Rules 1-3 of DESIGN §2 (and the axis names' own sanity), in order.
 
-  Args:
-    mesh: the device mesh.
-    table_axis: mesh axis name(s) forming the communicator; the table's
-      columns are sharded over them, row-major in the order given.
-    data_axis: mesh axis name(s) the tokens' leading dimension is sharded
-      over; defaults to table_axis.
-    tokens_per_batch: token ids per global batch (all ranks together, and
-      all replicas together when replica_axis is given).
-    emb_width: full embedding width (columns of the table).
-    num_unique: size of the static unique-token buffer of one batch (see
-      `dedup`); `min(tokens_per_batch, vocab_rows) + 1` is always safe.
-    num_devices_per_node: devices per host (defaults to the local device
-      count); informs collective placement only.
-    replica_axis: optional mesh axis name(s) over which the whole table is
-      replicated; tokens are then sharded over replica_axis + data_axis.
+  Returns the axes as tuples; `data_axis=None` means table_axis.
   """
   if not isinstance(mesh, jax.sharding.Mesh):
-    raise ShardingError(
-        f"pallas_emb make_context needs a jax.sharding.Mesh; got "
+    raise InputError(
+        f"pallas_emb {caller} needs a jax.sharding.Mesh; got "
         f"{type(mesh).__name__}. Build one with jax.make_mesh(...) or "
         "jax.sharding.Mesh(devices, axis_names).")
   table_axis = _as_axes(table_axis, "table_axis")
@@ -159,8 +145,9 @@ def make_context(mesh: jax.sharding.Mesh,
 
   # Rule 1: every axis exists.
   _check_axes_exist(mesh, table_axis, data_axis, replica_axis)
-  # Rule 2: token shards vary across the communicator.
-  missing = tuple(a for a in table_axis if a not in data_axis)
+  # Rule 2: token shards vary across the communicator (the reference
+  # prints the missing axes as a list).
+  missing = [a for a in table_axis if a not in data_axis]
   if missing:
     raise ShardingError(
         "pallas_emb requires token shards to vary across the communicator: "
@@ -175,36 +162,54 @@ def make_context(mesh: jax.sharding.Mesh,
         "holds whole copies of the table, so name it in replica_axis only.")
   # Rule 3: exactly one token shard per rank.
   check_single_shard_per_rank(mesh, table_axis, data_axis)
+  return table_axis, data_axis, replica_axis
 
+
+def make_context(mesh: jax.sharding.Mesh,
+                 table_axis: str | Sequence[str],
+                 *,
+                 data_axis: str | Sequence[str] | None = None,
+                 tokens_per_batch: int,
+                 emb_width: int,
+                 num_unique: int,
+                 num_devices_per_node: int | None = None,
+                 replica_axis: str | Sequence[str] = (),
+                 padding_id: int | None = 0) -> EmbeddingContext:
+  """Validates a layout and returns its `EmbeddingContext`.
+
+  Args:
+    mesh: the device mesh.
+    table_axis: mesh axis name(s) forming the communicator; the table's
+      columns are sharded over them, row-major in the order given.
+    data_axis: mesh axis name(s) the tokens' leading dimension is sharded
+      over; defaults to table_axis.
+    tokens_per_batch: token ids per global batch (all ranks together, and
+      all replicas together when replica_axis is given).
+    emb_width: full embedding width (columns of the table).
+    num_unique: size of the static unique-token buffer of one batch (see
+      `dedup`); `min(tokens_per_batch, vocab_rows) + 1` is always safe.
+    num_devices_per_node: devices per host (defaults to the local device
+      count); informs collective placement only.
+    replica_axis: optional mesh axis name(s) over which the whole table is
+      replicated; tokens are then sharded over replica_axis + data_axis.
+    padding_id: the id that marks padding: it is looked up like any id but
+      gets no gradient (the reference's convention, 0); None makes every id
+      a real row.
+  """
+  table_axis, data_axis, replica_axis = check_layout(
+      mesh, table_axis, data_axis, replica_axis, "make_context")
   for name, value in (("tokens_per_batch", tokens_per_batch),
                       ("emb_width", emb_width), ("num_unique", num_unique)):
-    _check_positive(name, value)
+    check_positive(name, value)
   if num_devices_per_node is None:
     num_devices_per_node = jax.local_device_count()
-  _check_positive("num_devices_per_node", num_devices_per_node)
+  check_positive("num_devices_per_node", num_devices_per_node)
+  check_padding_id(padding_id)
 
-  group_size = _group_size(mesh, table_axis)
-  num_replicas = _group_size(mesh, replica_axis)
-  token_shards = group_size * num_replicas
-  # Rule 4: tokens shard evenly.
-  if tokens_per_batch % token_shards:
-    if num_replicas == 1:
-      raise ShardingError(
-          f"pallas_emb tokens_per_batch={tokens_per_batch} does not shard "
-          f"evenly over the {group_size}-rank communicator. Use a multiple "
-          f"of {group_size} (pad the batch with id 0, which gets no "
-          "gradient).")
-    raise ShardingError(
-        f"pallas_emb tokens_per_batch={tokens_per_batch} does not shard "
-        f"evenly over the {group_size}-rank communicator times "
-        f"{num_replicas} replicas. Use a multiple of {token_shards} (pad the "
-        "batch with id 0, which gets no gradient).")
-  # Rule 5: columns shard evenly.
-  if emb_width % group_size:
-    raise ShardingError(
-        f"pallas_emb emb_width={emb_width} does not shard evenly over the "
-        f"{group_size}-rank communicator. Use a width that is a multiple of "
-        f"{group_size}, or a communicator whose size divides {emb_width}.")
+  group_size = axes_size(mesh, table_axis)
+  num_replicas = axes_size(mesh, replica_axis)
+  check_tokens_shard(tokens_per_batch, group_size, num_replicas)
+  check_width_shards(emb_width, group_size)
 
   return EmbeddingContext(
       mesh=mesh,
@@ -212,28 +217,35 @@ def make_context(mesh: jax.sharding.Mesh,
       data_axis=data_axis,
       group_size=group_size,
       tokens_per_batch=tokens_per_batch,
-      tokens_per_rank=tokens_per_batch // token_shards,
+      tokens_per_rank=tokens_per_batch // (group_size * num_replicas),
       emb_width=emb_width,
       shard_width=emb_width // group_size,
       num_unique=num_unique,
       num_devices_per_node=num_devices_per_node,
       replica_axis=replica_axis,
+      padding_id=padding_id,
   )
+
+
+def check_padding_id(padding_id) -> None:
+  if padding_id is not None and (isinstance(padding_id, bool) or
+                                 not isinstance(padding_id, (int, np.integer))):
+    raise InputError(
+        f"pallas_emb padding_id={padding_id!r} must be an int id or None "
+        "(None: every id is a real row that trains).")
 
 
 # --- per-call checks (shapes, dtypes, shardings, backend) --------------------
 
-BACKENDS = ("pallas", "interpret", "xla")
-TABLE_DTYPES = ("float32", "bfloat16")
 
-
-def resolve_backend(ctx: EmbeddingContext, backend: str | None) -> str:
+def resolve_backend(mesh_or_ctx, backend: str | None) -> str:
   """The explicit backend, or pallas on a GPU mesh and xla elsewhere."""
   if backend is None:
-    platform = ctx.mesh.devices.flat[0].platform
+    mesh = getattr(mesh_or_ctx, "mesh", mesh_or_ctx)
+    platform = mesh.devices.flat[0].platform
     return "pallas" if platform in ("gpu", "cuda", "rocm") else "xla"
   if backend not in BACKENDS:
-    raise ShardingError(
+    raise InputError(
         f"pallas_emb backend={backend!r} is not one of {BACKENDS}: use "
         "'pallas' on GPUs, 'interpret' to run the same kernels on CPU, or "
         "'xla' for the plain-jnp path.")
@@ -244,38 +256,121 @@ def _shape_dtype(x):
   return tuple(x.shape), str(x.dtype)
 
 
-def _sharding_of(x):
-  """The sharding of a committed concrete array, else None.
+def is_committed(x) -> bool:
+  """Whether x is a concrete array that was explicitly placed."""
+  return (not isinstance(x, jax.core.Tracer)) and bool(
+      getattr(x, "_committed", False))
 
-  Tracers and uncommitted arrays (e.g. a fresh `jnp.zeros`) are placed by
-  `shard_map` itself, so only a committed placement can be wrong.
+
+def as_ids(ids, what: str = "token_ids") -> jax.Array:
+  """Any integer array-like (list, numpy, jax) as an int32 array.
+
+  Python lists and numpy arrays are checked to fit int32 (a silent wrap
+  would look up the wrong rows); jax arrays of another integer dtype are
+  cast, as `flax.linen.Embed` does.
   """
-  if isinstance(x, jax.core.Tracer) or not getattr(x, "_committed", False):
-    return None
-  return getattr(x, "sharding", None)
+  if not isinstance(ids, (jax.Array, jax.core.Tracer)):
+    try:
+      host = np.asarray(ids)
+    except (TypeError, ValueError) as e:
+      raise InputError(
+          f"pallas_emb {what} of type {type(ids).__name__} is not an array of "
+          "integer ids; pass an int32 array (jnp.asarray(ids, jnp.int32)).") \
+          from e
+    if host.dtype == np.int32:
+      return jnp.asarray(host)
+    if host.size == 0 and host.dtype == np.float64:
+      host = host.astype(np.int32)  # np.asarray([]) is float64
+    if not np.issubdtype(host.dtype, np.integer):
+      raise InputError(
+          f"pallas_emb {what} has dtype {host.dtype}; expected integer ids "
+          "(int32). Cast them with ids.astype(jnp.int32).")
+    info = np.iinfo(np.int32)
+    if host.size and (host.min() < info.min or host.max() > info.max):
+      raise InputError(
+          f"pallas_emb {what} holds ids in [{host.min()}, {host.max()}], "
+          "outside int32; hash or remap ids into the table's range first.")
+    return jnp.asarray(host.astype(np.int32))
+  if not jnp.issubdtype(ids.dtype, jnp.integer):
+    raise InputError(
+        f"pallas_emb {what} has dtype {ids.dtype}; expected integer ids "
+        "(int32). Cast them with ids.astype(jnp.int32).")
+  return ids if ids.dtype == jnp.int32 else ids.astype(jnp.int32)
 
 
 def check_table(ctx: EmbeddingContext, table, what: str = "table") -> None:
-  """A `[vocab_rows, emb_width]` f32/bf16 table, column-sharded if concrete."""
-  shape, dtype = _shape_dtype(table)
-  if len(shape) != 2 or shape[1] != ctx.emb_width or shape[0] < 1:
-    raise ShardingError(
-        f"pallas_emb {what} has shape {shape}; expected [vocab_rows, "
-        f"{ctx.emb_width}] (emb_width of the context). Make the context "
-        "with the table's width, or fix the table.")
-  if dtype not in TABLE_DTYPES:
-    raise ShardingError(
-        f"pallas_emb {what} has dtype {dtype}; expected one of "
-        f"{TABLE_DTYPES}. Cast it with table.astype(jnp.bfloat16).")
-  sharding = _sharding_of(table)
-  if sharding is not None and len(jax.devices()) > 1:
+  """A `[vocab_rows, emb_width]` f32/bf16 table, column-sharded if committed."""
+  check_table_array(table, ctx.emb_width, what)
+  if is_committed(table) and len(jax.devices()) > 1:
     expected = jax.sharding.NamedSharding(
         ctx.mesh, jax.sharding.PartitionSpec(None, ctx.table_axis))
-    if not sharding.is_equivalent_to(expected, 2):
+    if not table.sharding.is_equivalent_to(expected, 2):
       raise ShardingError(
-          f"pallas_emb {what} is sharded as {sharding}; expected its columns "
-          f"over table_axis {ctx.table_axis} ({expected.spec}). Place it with "
-          "jax.device_put(table, pallas_emb.table_sharding(ctx)).")
+          f"pallas_emb {what} is sharded as {table.sharding}; expected its "
+          f"columns over table_axis {ctx.table_axis} ({expected.spec}). Place "
+          "it with jax.device_put(table, pallas_emb.table_sharding(ctx)).")
+
+
+def check_table_array(table, emb_width: int, what: str = "table") -> None:
+  """A `[vocab_rows, emb_width]` f32 or bf16 array."""
+  if not hasattr(table, "shape") or not hasattr(table, "dtype"):
+    raise InputError(
+        f"pallas_emb {what} is a {type(table).__name__}; expected a "
+        f"[vocab_rows, {emb_width}] float32 or bfloat16 array.")
+  shape, dtype = _shape_dtype(table)
+  if len(shape) != 2 or shape[1] != emb_width or shape[0] < 1:
+    raise InputError(
+        f"pallas_emb {what} has shape {shape}; expected [vocab_rows, "
+        f"{emb_width}] (emb_width of the context). Make the context "
+        "with the table's width, or fix the table.")
+  if dtype not in TABLE_DTYPES:
+    raise InputError(
+        f"pallas_emb {what} has dtype {dtype}; expected one of "
+        f"{TABLE_DTYPES}. Cast it with table.astype(jnp.bfloat16).")
+
+
+def check_tokens_shard(tokens: int, group_size: int, num_replicas: int,
+                       where: str = "") -> None:
+  """Rule 4: `tokens` (a batch's leading dimension) shard evenly.
+
+  `where` (e.g. "feature 'item_id' has ids of shape (12,)") is added to the
+  rule's sentence to name the input.
+  """
+  shards = group_size * num_replicas
+  if tokens % shards == 0:
+    return
+  where = f" ({where})" if where else ""
+  over = f"the {group_size}-rank communicator"
+  if num_replicas > 1:
+    over += f" times {num_replicas} replicas"
+  raise ShardingError(
+      f"pallas_emb tokens_per_batch={tokens} does not shard evenly over "
+      f"{over}{where}. Use a batch size that is a multiple of {shards}, or "
+      "pad the batch (padding ids or zero weights get no gradient).")
+
+
+def check_width_shards(emb_width: int, group_size: int,
+                       where: str = "") -> None:
+  """Rule 5: `emb_width` columns shard evenly over the communicator."""
+  if emb_width % group_size == 0:
+    return
+  where = f" ({where})" if where else ""
+  raise ShardingError(
+      f"pallas_emb emb_width={emb_width} does not shard evenly over the "
+      f"{group_size}-rank communicator{where}. Use a width that is a "
+      f"multiple of {group_size}, or a communicator whose size divides "
+      f"{emb_width}.")
+
+
+def check_leading_dim(shape, group_size: int, num_replicas: int,
+                      what: str) -> None:
+  """Rule 4 for one call's ids: the batch dimension shards evenly."""
+  if not shape:
+    raise InputError(
+        f"pallas_emb {what} is a scalar; expected ids with a leading batch "
+        "dimension, e.g. shape (batch,) or (batch, length).")
+  check_tokens_shard(shape[0], group_size, num_replicas,
+                     f"{what} has shape {tuple(shape)}")
 
 
 def check_token_ids(ctx: EmbeddingContext, token_ids, what: str = "token_ids"
@@ -283,28 +378,37 @@ def check_token_ids(ctx: EmbeddingContext, token_ids, what: str = "token_ids"
   """int32 ids, `tokens_per_batch` of them, leading dim sharding evenly."""
   shape, dtype = _shape_dtype(token_ids)
   if dtype != "int32":
-    raise ShardingError(
+    raise InputError(
         f"pallas_emb {what} has dtype {dtype}; expected int32. Cast them "
         "with ids.astype(jnp.int32).")
   size = math.prod(shape)
-  shards = ctx.group_size * ctx.num_replicas
-  if not shape or size != ctx.tokens_per_batch or shape[0] % shards:
-    raise ShardingError(
+  if size != ctx.tokens_per_batch:
+    raise InputError(
         f"pallas_emb {what} has shape {shape} ({size} ids); expected "
-        f"tokens_per_batch={ctx.tokens_per_batch} ids whose leading dimension "
-        f"divides over {shards} token shards. Make the context with the "
-        "batch's real size, or pad the batch with id 0.")
+        f"tokens_per_batch={ctx.tokens_per_batch} ids (the context's). Make "
+        "the context with the batch's real size, or pad the batch with the "
+        "padding id.")
+  check_leading_dim(shape, ctx.group_size, ctx.num_replicas, what)
 
 
 def check_grads(ctx: EmbeddingContext, grads, ids_shape) -> None:
   """Embedding gradients shaped like lookup's output."""
+  check_grads_array(grads, tuple(ids_shape) + (ctx.emb_width,), "emb_grads")
+
+
+def check_grads_array(grads, expected_shape, what: str) -> None:
+  """f32/bf16 gradients of exactly `expected_shape`."""
+  if not hasattr(grads, "shape") or not hasattr(grads, "dtype"):
+    raise InputError(
+        f"pallas_emb {what} is a {type(grads).__name__}; expected an array "
+        f"of shape {tuple(expected_shape)}.")
   shape, dtype = _shape_dtype(grads)
-  expected = tuple(ids_shape) + (ctx.emb_width,)
-  if shape != expected:
-    raise ShardingError(
-        f"pallas_emb emb_grads has shape {shape}; expected {expected} "
-        "(the shape of lookup's output for these token ids).")
+  if shape != tuple(expected_shape):
+    raise InputError(
+        f"pallas_emb {what} has shape {shape}; expected "
+        f"{tuple(expected_shape)} (the shape of lookup's output for these "
+        "ids).")
   if dtype not in TABLE_DTYPES:
-    raise ShardingError(
-        f"pallas_emb emb_grads has dtype {dtype}; expected one of "
+    raise InputError(
+        f"pallas_emb {what} has dtype {dtype}; expected one of "
         f"{TABLE_DTYPES}.")

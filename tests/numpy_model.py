@@ -17,15 +17,23 @@ def rnd(x, dtype):
   return np.asarray(x, np.float32).astype(dtype).astype(np.float32)
 
 
-def dedup(ids, num_unique, vocab_rows):
-  """Sorted unique (wrapped) ids padded with FILL, and segment ids."""
-  flat = np.asarray(ids).reshape(-1).astype(np.int64)
-  flat = np.where(flat < 0, flat + vocab_rows, flat)
-  uniq = np.unique(flat)
+def dedup(ids, num_unique, vocab_rows, padding_id=0):
+  """Sorted unique rows padded with FILL, and segment ids.
+
+  Every id is wrapped exactly once (negative: += vocab_rows); ids still
+  outside the table take no slot and get segment -1, as does the padding
+  id (which keeps its slot).
+  """
+  raw = np.asarray(ids).reshape(-1).astype(np.int64)
+  flat = np.where(raw < 0, raw + vocab_rows, raw)
+  valid = (flat >= 0) & (flat < vocab_rows)
+  uniq = np.unique(flat[valid])
   table = np.full(num_unique, FILL, np.int64)
   table[:min(num_unique, uniq.size)] = uniq[:num_unique]
   where = {int(t): i for i, t in enumerate(uniq[:num_unique])}
-  segs = np.array([-1 if t == 0 else where.get(int(t), -1) for t in flat])
+  segs = np.array([
+      -1 if (not ok or (padding_id is not None and r == padding_id))
+      else where.get(int(t), -1) for r, t, ok in zip(raw, flat, valid)])
   return table.astype(np.int32), segs.reshape(np.shape(ids)), uniq.size
 
 
@@ -47,10 +55,10 @@ class Adagrad:
     self.wd_factor = math.exp(-weight_decay)
     self.wd_rate = weight_decay
 
-  def step(self, ids, grads, num_unique, pending=True):
+  def step(self, ids, grads, num_unique, pending=True, padding_id=0):
     """Returns (norm, valid). grads: [num_tokens, width] (any float)."""
     vocab, width = self.table.shape
-    uniq, segs, _ = dedup(ids, num_unique, vocab)
+    uniq, segs, _ = dedup(ids, num_unique, vocab, padding_id)
     segs = segs.reshape(-1)
     grads = np.asarray(grads, np.float32).reshape(segs.size, width)
     accum = np.zeros((num_unique, width), np.float32)
@@ -63,9 +71,7 @@ class Adagrad:
       return norm, 0
     table = self.table.astype(np.float32)
     for u, tok in enumerate(uniq.astype(np.int64)):
-      if tok < 0:
-        tok += vocab
-      if not 0 <= tok < vocab:
+      if tok == FILL:
         continue
       if self.lazy:
         delta = np.float32(max(0, self.step_count - self.last_step[tok]))

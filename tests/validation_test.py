@@ -68,8 +68,13 @@ class MakeContextTest(parameterized.TestCase):
     with self.assertRaisesRegex(
         ValueError, "^" + re.escape(
             "pallas_emb requires token shards to vary across the "
-            "communicator: table_axis ('y',) missing from data_axis ('x',)")):
+            "communicator: table_axis ['y'] missing from data_axis ('x',)")):
       _ctx(m, ("x", "y"), data_axis=("x",))
+    # The reference prints the missing axes as a list, whatever their count.
+    with self.assertRaisesRegex(
+        pe.ShardingError, re.escape("table_axis ['x', 'y'] missing from "
+                                    "data_axis ('z',)")):
+      _ctx(mesh({"x": 2, "y": 2, "z": 2}), ("x", "y"), data_axis=("z",))
 
   def test_rule3_replica_axis_in_data_axis_only(self):
     # The commonest mistake: scaling out with a data-parallel axis.
@@ -112,12 +117,30 @@ class MakeContextTest(parameterized.TestCase):
       dict(tokens_per_batch=True))
   def test_non_positive_sizes(self, **kw):
     name = next(iter(kw))
-    with self.assertRaisesRegex(ValueError, f"pallas_emb {name}=.*positive"):
+    with self.assertRaisesRegex(pe.InputError, f"pallas_emb {name}=.*positive"):
       _ctx(mesh({"x": 2}), "x", **kw)
 
   def test_not_a_mesh(self):
-    with self.assertRaisesRegex(ValueError, "needs a jax.sharding.Mesh"):
+    with self.assertRaisesRegex(pe.InputError, "needs a jax.sharding.Mesh"):
       _ctx(jax.devices(), "x")
+
+  def test_padding_id(self):
+    self.assertEqual(_ctx(mesh({"x": 2}), "x").padding_id, 0)  # reference's
+    self.assertIsNone(_ctx(mesh({"x": 2}), "x", padding_id=None).padding_id)
+    self.assertEqual(_ctx(mesh({"x": 2}), "x", padding_id=-1).padding_id, -1)
+    with self.assertRaisesRegex(pe.InputError, "padding_id='0' must be an "
+                                "int id or None"):
+      _ctx(mesh({"x": 2}), "x", padding_id="0")
+
+  def test_error_family(self):
+    # One base class; layout rules are ShardingErrors, the rest are not.
+    self.assertTrue(issubclass(pe.ShardingError, pe.Error))
+    self.assertTrue(issubclass(pe.InputError, pe.Error))
+    self.assertTrue(issubclass(pe.Error, ValueError))
+    for cls in (pe.HyperParameterError, pe.UniqueOverflowError,
+                pe.IdOutOfRangeError, pe.PipelineMisuse, pe.CheckpointError):
+      self.assertTrue(issubclass(cls, pe.Error), cls)
+      self.assertFalse(issubclass(cls, pe.ShardingError), cls)
 
   def test_axis_named_twice(self):
     with self.assertRaisesRegex(ValueError, "names an axis twice"):
@@ -136,17 +159,17 @@ class CallChecksTest(absltest.TestCase):
 
   def test_table_shape_and_dtype(self):
     with self.assertRaisesRegex(
-        ValueError, re.escape("table has shape (10, 6); expected "
-                              "[vocab_rows, 8]")):
+        pe.InputError, re.escape("table has shape (10, 6); expected "
+                                 "[vocab_rows, 8]")):
       validation.check_table(self.ctx, jnp.zeros((10, 6)))
-    with self.assertRaisesRegex(ValueError, "table has dtype int32"):
+    with self.assertRaisesRegex(pe.InputError, "table has dtype int32"):
       validation.check_table(self.ctx, jnp.zeros((10, 8), jnp.int32))
 
   def test_table_sharding(self):
     wrong = jax.device_put(jnp.zeros((16, 8)),
                            jax.sharding.NamedSharding(
                                self.ctx.mesh, jax.sharding.PartitionSpec("x")))
-    with self.assertRaisesRegex(ValueError, "expected its columns over "
+    with self.assertRaisesRegex(pe.ShardingError, "expected its columns over "
                                 "table_axis"):
       validation.check_table(self.ctx, wrong)
     validation.check_table(
@@ -154,18 +177,32 @@ class CallChecksTest(absltest.TestCase):
                                  pe.table_sharding(self.ctx)))
 
   def test_token_ids(self):
-    with self.assertRaisesRegex(ValueError, "token_ids has dtype float32; "
+    with self.assertRaisesRegex(pe.InputError, "token_ids has dtype float32; "
                                 "expected int32"):
       validation.check_token_ids(self.ctx, jnp.zeros((16,)))
-    with self.assertRaisesRegex(ValueError, re.escape(
+    with self.assertRaisesRegex(pe.InputError, re.escape(
         "token_ids has shape (8,) (8 ids); expected tokens_per_batch=16")):
       validation.check_token_ids(self.ctx, jnp.zeros((8,), jnp.int32))
-    with self.assertRaisesRegex(ValueError, "leading dimension divides over 4"):
+    with self.assertRaisesRegex(pe.ShardingError, "^" + re.escape(
+        "pallas_emb tokens_per_batch=2 does not shard evenly over the 4-rank "
+        "communicator (token_ids has shape (2, 8))")):
       validation.check_token_ids(self.ctx, jnp.zeros((2, 8), jnp.int32))
     validation.check_token_ids(self.ctx, jnp.zeros((4, 4), jnp.int32))
 
+  def test_as_ids(self):
+    self.assertEqual(validation.as_ids([1, 2, 3]).dtype, jnp.int32)
+    self.assertEqual(validation.as_ids(jnp.arange(3, dtype=jnp.uint8)).dtype,
+                     jnp.int32)
+    with self.assertRaisesRegex(pe.InputError, "dtype float32; expected "
+                                "integer ids"):
+      validation.as_ids(jnp.zeros(3))
+    with self.assertRaisesRegex(pe.InputError, "outside int32"):
+      validation.as_ids([2**31])
+    with self.assertRaisesRegex(pe.InputError, "dtype <U1; expected integer"):
+      validation.as_ids(["a"])
+
   def test_backend(self):
-    with self.assertRaisesRegex(ValueError, "backend='triton' is not one of"):
+    with self.assertRaisesRegex(pe.InputError, "backend='triton' is not one of"):
       validation.resolve_backend(self.ctx, "triton")
     self.assertEqual(validation.resolve_backend(self.ctx, None), "xla")
 
