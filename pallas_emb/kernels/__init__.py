@@ -4,49 +4,66 @@
 through Pallas' interpreter, any platform) or "xla" (the jnp twins in
 `reference.py`). A Mosaic GPU implementation of an operation would be one
 more branch here; the wrappers never see the difference.
+
+Each Pallas kernel takes a frozen config (tile sizes, warps, stages);
+`config=None`, or None fields of a config, take the kernel's shape
+heuristic. `KernelConfig` bundles one config per operation for the public
+wrappers. The xla backend ignores configs.
 """
 
 from __future__ import annotations
 
-import functools
-import warnings
+import dataclasses
+from typing import TYPE_CHECKING
 
+from pallas_emb.kernels import common
 from pallas_emb.kernels import reference
+
+if TYPE_CHECKING:
+  from pallas_emb.kernels.adagrad import AdagradConfig
+  from pallas_emb.kernels.gather import GatherConfig
+  from pallas_emb.kernels.segment_sum import SegmentSumConfig
 
 BACKENDS = ("pallas", "interpret", "xla")
 
-# jax 0.11.2 warns at every Triton lowering; silence exactly that message.
-TRITON_DEPRECATION = (r"The Pallas Triton backend is deprecated and will be "
-                      r"removed in a future JAX version\.")
+# jax 0.11.2 warns at every Triton lowering; exactly this message is
+# silenced, around our own pallas_calls only (`quiet_triton_deprecation`).
+TRITON_DEPRECATION = common.TRITON_DEPRECATION
+quiet_triton_deprecation = common.quiet_triton_deprecation
 
 
-@functools.cache
-def _filter_triton_deprecation() -> None:
-  warnings.filterwarnings("ignore", message=TRITON_DEPRECATION,
-                          category=DeprecationWarning)
+@dataclasses.dataclass(frozen=True)
+class KernelConfig:
+  """Tile configs of the three kernels; None = the shape heuristic.
+
+  gather: `gather.GatherConfig` (lookup); segment_sum:
+  `segment_sum.SegmentSumConfig`; update: `adagrad.AdagradConfig`.
+  Frozen and hashable, so it can be a static argument of a jit.
+  """
+  gather: GatherConfig | None = None
+  segment_sum: SegmentSumConfig | None = None
+  update: AdagradConfig | None = None
 
 
 def _pallas(backend: str) -> bool:
-  """True for the Pallas backends (and installs the warning filter)."""
+  """True for the Pallas backends."""
   if backend not in BACKENDS:
     raise ValueError(f"pallas_emb backend={backend!r} is not one of "
                      f"{BACKENDS}.")
-  if backend == "xla":
-    return False
-  _filter_triton_deprecation()
-  return True
+  return backend != "xla"
 
 
-def gather_rows(table, ids, *, backend: str):
+def gather_rows(table, ids, *, backend: str, config=None):
   """`[N, S]` rows of a `[V, S]` shard for `[N]` ids (wrapped, clamped)."""
   if not _pallas(backend):
     return reference.gather_rows(table, ids)
-  from pallas_emb.kernels import gather
-  return gather.gather_rows(table, ids, interpret=backend == "interpret")
+  from pallas_emb.kernels import gather  # pylint: disable=g-import-not-at-top
+  return gather.gather_rows(table, ids, config=config,
+                            interpret=backend == "interpret")
 
 
 def segment_sum_rows(grads, segment_ids, num_segments: int, *, round_dtype,
-                     backend: str):
+                     backend: str, config=None):
   """f32 `[U, S]` segment sums of `[N, S]` rows and `[U + 1]` row statistics.
 
   `row_sq[u] = sum_c round(grad_accum[u, c])**2` with the rounding of
@@ -56,15 +73,16 @@ def segment_sum_rows(grads, segment_ids, num_segments: int, *, round_dtype,
   if not _pallas(backend):
     return reference.segment_sum_rows(grads, segment_ids, num_segments,
                                       round_dtype=round_dtype)
-  from pallas_emb.kernels import segment_sum
+  from pallas_emb.kernels import segment_sum  # pylint: disable=g-import-not-at-top
   return segment_sum.segment_sum_rows(grads, segment_ids, num_segments,
                                       round_dtype=round_dtype,
-                                      interpret=backend == "interpret")
+                                      interpret=backend == "interpret",
+                                      config=config)
 
 
 def adagrad_apply(table, row_state, last_step, unique_tokens, grad_accum,
                   row_sq, apply, step, learning_rate, *, hparams,
-                  backend: str):
+                  backend: str, config=None):
   """The row-wise Adagrad update of DESIGN §4.5 on the rows a batch used.
 
   Returns `(table, row_state, last_step)`; `last_step` is None in eager mode.
@@ -73,8 +91,9 @@ def adagrad_apply(table, row_state, last_step, unique_tokens, grad_accum,
     return reference.adagrad_apply(table, row_state, last_step,
                                    unique_tokens, grad_accum, row_sq, apply,
                                    step, learning_rate, hparams=hparams)
-  from pallas_emb.kernels import adagrad
+  from pallas_emb.kernels import adagrad  # pylint: disable=g-import-not-at-top
   return adagrad.adagrad_apply(table, row_state, last_step, unique_tokens,
                                grad_accum, row_sq, apply, step,
                                learning_rate, hparams=hparams,
-                               interpret=backend == "interpret")
+                               interpret=backend == "interpret",
+                               config=config)

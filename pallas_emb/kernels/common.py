@@ -1,6 +1,15 @@
-"""Small pieces shared by the kernels and their jnp twins."""
+"""Small pieces shared by the kernels and their jnp twins.
+
+Kernel-side helpers (tile heuristics, int32 offset checks, masked-store
+offsets, the Triton deprecation filter) sit next to the arithmetic that the
+kernels and the twins share (`adagrad_row_update`, `adagrad_new_values`).
+"""
 
 from __future__ import annotations
+
+import contextlib
+import math
+import warnings
 
 import chex
 import jax
@@ -8,6 +17,21 @@ import jax.numpy as jnp
 
 # Triton addresses a flat view with int32 offsets.
 MAX_FLAT_SIZE = 2**31 - 1
+# Largest tile a config may ask for (elements): beyond this the registers of
+# even 8 warps spill. The heuristics stay well below.
+MAX_TILE_ELEMENTS = 16384
+# Offsets are computed up to one tile past the end of an array before the
+# mask is applied (`pid * block + arange(block)`), so a kernel may address
+# `size + MAX_TILE_ELEMENTS` without overflowing int32.
+_OFFSET_HEADROOM = MAX_TILE_ELEMENTS
+# One 16-byte (v4.b32) access per thread is what a coalesced row read is
+# made of on NVIDIA GPUs.
+VECTOR_BYTES = 16
+
+# jax 0.11.2 warns at every Triton lowering; this exact message is silenced
+# around our own pallas_calls (see `quiet_triton_deprecation`).
+TRITON_DEPRECATION = (r"The Pallas Triton backend is deprecated and will be "
+                      r"removed in a future JAX version\.")
 
 
 def wrap_and_clamp(ids: jax.Array, vocab_rows: int) -> jax.Array:
@@ -22,11 +46,114 @@ def wrap_once(ids: jax.Array, vocab_rows: int) -> jax.Array:
 
 
 def check_flat_size(array, what: str) -> None:
-  if array.size > MAX_FLAT_SIZE:
+  """Raises ValueError if `array` (or a ShapeDtypeStruct) is too big for int32 offsets."""
+  size = math.prod(array.shape)
+  if size > MAX_FLAT_SIZE - _OFFSET_HEADROOM:
     raise ValueError(
-        f"pallas_emb {what} has {array.size} elements per rank, more than the "
-        f"{MAX_FLAT_SIZE} a Pallas kernel can address with int32 offsets. "
-        "Shard the table over more ranks, or use backend='xla'.")
+        f"pallas_emb {what} {tuple(array.shape)} has {size} elements per "
+        f"rank, more than the {MAX_FLAT_SIZE - _OFFSET_HEADROOM} a Pallas "
+        "kernel can address with int32 offsets. Shard the table over more "
+        "ranks, or use backend='xla'.")
+
+
+def check_flat_sizes(kernel: str, **shapes) -> None:
+  """`check_flat_size` for every named shape a kernel addresses."""
+  for what, shape in shapes.items():
+    check_flat_size(jax.ShapeDtypeStruct(tuple(shape), jnp.int8),
+                    f"{kernel}: {what}")
+
+
+@contextlib.contextmanager
+def quiet_triton_deprecation():
+  """Silences jax 0.11.2's Triton-backend DeprecationWarning, nothing else.
+
+  jax emits it from the pallas_call *lowering* rule, so this catches it when
+  the lowering happens inside the block: an eager (un-jitted) kernel call,
+  or a `jax.jit(...).lower()` / first call of a jitted function wrapped in
+  it. Kernels called inside a user's jit are lowered when that jit lowers.
+  """
+  with warnings.catch_warnings():
+    warnings.filterwarnings("ignore", message=TRITON_DEPRECATION,
+                            category=DeprecationWarning)
+    yield
+
+
+# --------------------------------------------------------------------------
+# Tiles
+# --------------------------------------------------------------------------
+
+
+def next_pow2(n: int) -> int:
+  return 1 if n <= 1 else 1 << (int(n) - 1).bit_length()
+
+
+def pow2_floor(n: int) -> int:
+  return 1 if n <= 1 else 1 << (int(n).bit_length() - 1)
+
+
+def check_pow2(owner: str, name: str, value, allow_none: bool = True) -> None:
+  if value is None and allow_none:
+    return
+  if not isinstance(value, int) or value < 1 or value & (value - 1):
+    raise ValueError(f"pallas_emb {owner}.{name} must be a positive power of "
+                     f"two, got {value!r}.")
+
+
+def check_tile(owner: str, rows, cols) -> None:
+  if rows is not None and cols is not None and rows * cols > MAX_TILE_ELEMENTS:
+    raise ValueError(
+        f"pallas_emb {owner} tile {rows} x {cols} = {rows * cols} elements is "
+        f"more than the {MAX_TILE_ELEMENTS} that fit in registers; use fewer "
+        "rows or columns per block.")
+
+
+def block_cols_for(width: int, itemsize: int, max_row_bytes: int) -> int:
+  """Columns per block: the whole (power-of-two padded) row, capped in bytes."""
+  return max(1, min(next_pow2(width), pow2_floor(max_row_bytes // itemsize)))
+
+
+def block_rows_for(num_rows: int, block_cols: int, itemsize: int, *,
+                   tile_bytes: int, min_programs: int,
+                   col_blocks: int = 1) -> int:
+  """Rows per block: a `tile_bytes` tile, fewer when that leaves too few programs.
+
+  Narrow rows get many rows per block (a warp then covers several rows, each
+  thread one 16-byte vector); the floor keeps one full vector per thread of
+  a single warp, the cap keeps the tile in registers.
+  """
+  cap = max(1, pow2_floor(tile_bytes // (block_cols * itemsize)))
+  floor = max(1, min(cap, (32 * VECTOR_BYTES) // (block_cols * itemsize)))
+  wanted = pow2_floor(max(1, (num_rows * col_blocks) // min_programs))
+  return max(floor, min(cap, wanted))
+
+
+def num_warps_for(tile_elements: int, itemsize: int, max_warps: int = 4) -> int:
+  """Warps such that every thread holds at least one 16-byte vector."""
+  vectors = max(1, tile_elements * itemsize // VECTOR_BYTES)
+  return max(1, min(max_warps, pow2_floor(vectors // 32)))
+
+
+def store_offsets(offsets: jax.Array, mask: jax.Array, size: int,
+                  interpret: bool) -> jax.Array:
+  """Flat offsets of a masked store; masked lanes sent past `size` when interpreted.
+
+  On a GPU a masked lane does not write, so the offsets stay a plain
+  `rows[:, None] * width + cols[None, :]` that Triton can vectorize. The
+  interpreter discharges a masked store into a read-modify-write scatter
+  that writes the OLD value back at every masked lane; if such a lane's
+  offset is also written by a real lane of the same store (a padding column
+  reaching into the next row, or a skipped row pointing at row 0), the
+  scatter keeps whichever comes last and a real write can be lost
+  (tests/gather_test.py proves it). Past `size` the scatter drops them.
+  """
+  if not interpret:
+    return offsets
+  return jnp.where(mask, offsets, size)
+
+
+# --------------------------------------------------------------------------
+# Arithmetic shared with the twins
+# --------------------------------------------------------------------------
 
 
 def round_to(x: jax.Array, dtype) -> jax.Array:

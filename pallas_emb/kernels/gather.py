@@ -1,12 +1,19 @@
 """Pallas (Triton) kernel: gather rows of a column shard for a list of ids.
 
 The table shard `[vocab_rows, shard_width]` and the output `[num_ids,
-shard_width]` are addressed through flat views, so any shard width works: a
-program copies a `[block_rows, next_pow2(shard_width)]` tile, masking the
-columns past the width and the rows past the end. Masked lanes are given
-out-of-range (never negative) flat offsets, because interpret mode turns a
-masked store into a scatter that drops out-of-range writes but would let an
-in-range masked lane overwrite a real one.
+shard_width]` are addressed through flat views, so any shard width works.
+Program `(i, j)` copies the `[block_rows, block_cols]` tile of rows
+`i * block_rows ...` and columns `j * block_cols ...`: wide shards are split
+into column blocks (the tile stays in registers), narrow ones get many rows
+per block (a warp then covers several rows with 16-byte vector accesses).
+
+Row access pattern (DESIGN §7): the per-row mask lives on 1-D vectors and
+the offsets are `rows[:, None] * width + cols[None, :]`, so Triton sees
+`block_cols` contiguous, `width`-aligned elements per row and emits v2/v4
+loads and stores. Ids are wrapped and clamped into the table, so every
+load is in range; the store is masked per row.
+
+Run `python -m pallas_emb.kernels.gather --help` for the block-size sweep.
 """
 
 from __future__ import annotations
@@ -21,48 +28,143 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_emb.kernels import common
 
+# Tile of 16 KiB (4096 f32 / 8192 bf16 elements) in registers, row segments
+# of at most 1 KiB per block, and enough programs to spread over the SMs.
+_TILE_BYTES = 16384
+_MAX_ROW_BYTES = 1024
+_MIN_PROGRAMS = 512
+
 
 @dataclasses.dataclass(frozen=True)
 class GatherConfig:
-  """Tile sizes of the gather kernel."""
-  block_rows: int = 64
-  num_warps: int = 4
+  """Tile of the gather kernel; a field left None takes the shape heuristic.
+
+  block_rows, block_cols: powers of two, `block_rows * block_cols <=
+  common.MAX_TILE_ELEMENTS`. num_warps: Triton warps per program.
+  """
+  block_rows: int | None = None
+  block_cols: int | None = None
+  num_warps: int | None = None
   num_stages: int = 1
+
+  def __post_init__(self):
+    for name in ("block_rows", "block_cols", "num_warps"):
+      common.check_pow2("GatherConfig", name, getattr(self, name))
+    common.check_tile("GatherConfig", self.block_rows, self.block_cols)
+    if self.num_stages < 1:
+      raise ValueError(f"pallas_emb GatherConfig.num_stages must be >= 1, "
+                       f"got {self.num_stages}.")
+
+
+def resolve_config(config: GatherConfig | None, num_ids: int, width: int,
+                   dtype) -> GatherConfig:
+  """`config` with every None field filled in by the shape heuristic."""
+  config = config or GatherConfig()
+  itemsize = jnp.dtype(dtype).itemsize
+  block_cols = config.block_cols or common.block_cols_for(
+      width, itemsize, _MAX_ROW_BYTES)
+  block_rows = config.block_rows or common.block_rows_for(
+      num_ids, block_cols, itemsize, tile_bytes=_TILE_BYTES,
+      min_programs=_MIN_PROGRAMS, col_blocks=pl.cdiv(width, block_cols))
+  num_warps = config.num_warps or common.num_warps_for(
+      block_rows * block_cols, itemsize)
+  return GatherConfig(block_rows, block_cols, num_warps, config.num_stages)
 
 
 def _gather_kernel(ids_ref, table_ref, out_ref, *, num_ids, vocab_rows,
-                   width, block_rows, block_cols):
+                   width, block_rows, block_cols, interpret):
   rows = pl.program_id(0) * block_rows + jnp.arange(block_rows)
   row_ok = rows < num_ids
-  ids = plgpu.load(ids_ref.at[jnp.where(row_ok, rows, num_ids)],
-                   mask=row_ok, other=0)
+  # Contiguous and masked: lanes past the end read nothing on a GPU (the
+  # interpreter clamps them into range).
+  ids = plgpu.load(ids_ref.at[rows], mask=row_ok, other=0)
   ids = common.wrap_and_clamp(ids, vocab_rows)
-  cols = jnp.arange(block_cols)
-  ok = row_ok[:, None] & (cols < width)[None, :]
-  src = jnp.where(ok, ids[:, None] * width + cols[None, :], vocab_rows * width)
-  values = plgpu.load(table_ref.at[src], mask=ok, other=0)
-  dst = jnp.where(ok, rows[:, None] * width + cols[None, :], num_ids * width)
-  plgpu.store(out_ref.at[dst], values, mask=ok)
+  cols = pl.program_id(1) * block_cols + jnp.arange(block_cols)
+  mask = row_ok[:, None]
+  if width % block_cols:
+    mask = mask & (cols < width)[None, :]
+  # `ids` is in range for every lane (masked lanes load 0), so the load
+  # needs no sentinel; a padding column reads the next row and is dropped.
+  values = plgpu.load(table_ref.at[ids[:, None] * width + cols[None, :]],
+                      mask=mask, other=0)
+  dst = jnp.where(row_ok, rows, 0)[:, None] * width + cols[None, :]
+  dst = common.store_offsets(dst, mask, num_ids * width, interpret)
+  plgpu.store(out_ref.at[dst], values, mask=mask)
 
 
 def gather_rows(table: jax.Array, ids: jax.Array, *,
-                config: GatherConfig = GatherConfig(),
+                config: GatherConfig | None = None,
                 interpret: bool = False) -> jax.Array:
   """`table[wrap_and_clamp(ids)]` for a `[V, S]` table and `[N]` int32 ids."""
   vocab_rows, width = table.shape
   (num_ids,) = ids.shape
-  common.check_flat_size(table, "table shard")
+  common.check_flat_sizes("gather", **{"table shard": table.shape,
+                                       "output": (num_ids, width)})
+  if num_ids == 0:
+    return jnp.zeros((0, width), table.dtype)
+  config = resolve_config(config, num_ids, width, table.dtype)
   kernel = functools.partial(
       _gather_kernel, num_ids=num_ids, vocab_rows=vocab_rows, width=width,
-      block_rows=config.block_rows,
-      block_cols=pl.next_power_of_2(width))
-  out = pl.pallas_call(
-      kernel,
-      out_shape=jax.ShapeDtypeStruct((num_ids * width,), table.dtype),
-      grid=(pl.cdiv(num_ids, config.block_rows),),
-      interpret=interpret,
-      compiler_params=plgpu.CompilerParams(num_warps=config.num_warps,
-                                           num_stages=config.num_stages),
-      name="pallas_emb_gather",
-  )(ids, table.reshape(-1))
+      block_rows=config.block_rows, block_cols=config.block_cols,
+      interpret=interpret)
+  with common.quiet_triton_deprecation():
+    out = pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((num_ids * width,), table.dtype),
+        grid=(pl.cdiv(num_ids, config.block_rows),
+              pl.cdiv(width, config.block_cols)),
+        interpret=interpret,
+        compiler_params=plgpu.CompilerParams(num_warps=config.num_warps,
+                                             num_stages=config.num_stages),
+        name="pallas_emb_gather",
+    )(ids, table.reshape(-1))
   return out.reshape(num_ids, width)
+
+
+# --------------------------------------------------------------------------
+# Block-size sweep: python -m pallas_emb.kernels.gather
+# --------------------------------------------------------------------------
+
+
+def main(argv=None) -> None:
+  from pallas_emb.kernels import reference  # pylint: disable=g-import-not-at-top
+  from pallas_emb.kernels import sweep  # pylint: disable=g-import-not-at-top
+
+  args = sweep.parse_args("gather", argv, rows=10_000_000, tokens=262_144)
+
+  def setup(width, dtype, key):
+    table = jax.random.normal(key, (args.rows, width), jnp.float32).astype(
+        dtype)
+    ids = jnp.asarray(sweep.zipf_ids(args.tokens, args.rows, args.zipf,
+                                     args.seed))
+    return table, ids
+
+  def run(config, table, ids):
+    return gather_rows(table, ids, config=config, interpret=args.interpret)
+
+  def twin(table, ids):
+    return reference.gather_rows(table, ids)
+
+  def candidates(width, dtype):
+    itemsize = jnp.dtype(dtype).itemsize
+    for block_cols in sweep.pow2_range(1, common.next_pow2(width)):
+      if block_cols * itemsize > 4 * _MAX_ROW_BYTES:
+        continue
+      for block_rows in sweep.pow2_range(1, 4096):
+        if not 128 <= block_rows * block_cols <= common.MAX_TILE_ELEMENTS:
+          continue
+        for num_warps in (1, 2, 4, 8):
+          yield GatherConfig(block_rows, block_cols, num_warps)
+
+  def bytes_moved(width, dtype):
+    return 2 * args.tokens * width * jnp.dtype(dtype).itemsize
+
+  sweep.run_sweep(
+      args, setup=setup, run=run, twin=twin, candidates=candidates,
+      default=lambda width, dtype: resolve_config(None, args.tokens, width,
+                                                  dtype),
+      bytes_moved=bytes_moved, exact=True)
+
+
+if __name__ == "__main__":
+  main()

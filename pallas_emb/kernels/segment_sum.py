@@ -1,23 +1,36 @@
-"""Pallas (Triton) kernel: deterministic f32 segment sums of gradient rows.
+"""Pallas (Triton) kernels: deterministic f32 segment sums of gradient rows.
 
 `grads[N, S]` rows are summed per segment id into `grad_accum[U, S]` (f32),
 together with `row_sq[u] = sum_c round(grad_accum[u, c])**2` and its total.
 
-Strategy: no atomics. A scatter-add with atomics is non-deterministic on GPU,
-degrades badly when many rows hit one (hot, Zipf) segment, and in interpret
-mode a scatter with duplicate indices loses updates. Instead the XLA wrapper
-stable-sorts the rows by segment id (dropped ids are keyed `U`, so they sort
-last and are never read) and finds each segment's run `[start, end)` in the
-sorted order. Each program then owns `block_segments` consecutive segments
-and, for each one, loops over its run in chunks of `chunk_rows` sorted rows:
-a masked indirect load of a `[chunk_rows, next_pow2(S)]` tile, added into a
-tile-shaped f32 accumulator, reduced over rows once at the end. The order of
-every addition is fixed, so the result is deterministic, and a segment with
-thousands of rows is just a longer loop.
+No atomics: a scatter-add with atomics is non-deterministic on GPU, degrades
+badly when many rows hit one (hot, Zipf) segment, and in interpret mode a
+scatter with duplicate indices loses updates. Instead:
 
-Like `gather.py`, grads and outputs are addressed through flat views, so any
-shard width works (power-of-two column tiles, masked past the width), and
-masked lanes get out-of-range positive offsets.
+1. The XLA wrapper sorts the rows by segment id (one stable key/index sort;
+   dropped ids are keyed `U` and sort last, never read) and finds each
+   segment's run `[start, end)` of sorted positions with two scatters (each
+   segment is written once: no contention, no O(log N) search).
+2. Pieces (`pallas_emb_segment_sum_pieces`): the sorted positions are cut
+   into pieces of `piece_rows`; piece `c` sums the rows of the run that
+   covers its first position, from there to the end of the piece or of the
+   run. A hot segment of 25,000 rows is thus summed by ~25,000 / piece_rows
+   programs in parallel.
+3. Segments (`pallas_emb_segment_sum`): a program owns `block_segments`
+   segments, one per tile row, and walks their heads (the rows before the
+   first piece boundary, `< piece_rows` of them) one row per segment per
+   step -- most segments have 1-3 rows, so a step loads a full tile -- then
+   adds, for the few segments that cover whole pieces, those pieces' sums in
+   piece order.
+
+Every sum is taken in a fixed order (head rows in sorted order, then pieces
+in order), so the result is deterministic; a segment with one row is copied
+exactly. Grads, pieces and outputs are addressed through flat views with
+per-row masks on 1-D vectors (`rows[:, None] * width + cols[None, :]`), so
+row accesses are contiguous vector loads/stores; wide shards loop over
+column blocks.
+
+Run `python -m pallas_emb.kernels.segment_sum --help` for the sweep.
 """
 
 from __future__ import annotations
@@ -34,100 +47,246 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_emb.kernels import common
 
+# f32 tiles of 8 KiB for the segment kernel (it holds the accumulator, a
+# piece-sum tile and a loaded tile at once) and 16 KiB for the piece kernel;
+# rows of at most 1 KiB per column block.
+_SEGMENT_TILE_BYTES = 8192
+_PIECE_TILE_BYTES = 16384
+_MAX_ROW_BYTES = 1024
+_MIN_PROGRAMS = 512
+
 
 @dataclasses.dataclass(frozen=True)
 class SegmentSumConfig:
-  """Tile sizes of the segment-sum kernel (powers of two).
+  """Tiles of the two segment-sum kernels; None fields take the heuristic.
 
-  `chunk_rows` is capped so that a `[chunk_rows, next_pow2(S)]` f32 tile has
-  at most `max_tile_elements` elements: wide shards get shorter chunks rather
-  than spilling registers.
+  piece_rows: sorted rows per piece (the most head rows a segment walks one
+    by one; a run longer than that is split across pieces).
+  block_segments: segments per program of the segment kernel (tile rows).
+  block_cols: columns per block (both kernels; wider shards loop).
+  piece_block_rows: rows per step of the piece kernel (a piece takes
+    `piece_rows / piece_block_rows` steps; a hot segment adds its piece sums
+    `block_segments` per step).
+  num_warps / piece_num_warps: warps of the segment / piece kernel.
+  All block sizes are powers of two; a tile is at most
+  `common.MAX_TILE_ELEMENTS` elements.
   """
-  block_segments: int = 8
-  chunk_rows: int = 16
-  max_tile_elements: int = 4096
-  num_warps: int = 4
+  piece_rows: int | None = None
+  block_segments: int | None = None
+  block_cols: int | None = None
+  piece_block_rows: int | None = None
+  num_warps: int | None = None
+  piece_num_warps: int | None = None
   num_stages: int = 1
 
   def __post_init__(self):
-    for name in ("block_segments", "chunk_rows", "max_tile_elements"):
-      value = getattr(self, name)
-      if value < 1 or value & (value - 1):
-        raise ValueError(f"SegmentSumConfig.{name} must be a positive power "
-                         f"of two, got {value}.")
+    for name in ("piece_rows", "block_segments", "block_cols",
+                 "piece_block_rows", "num_warps", "piece_num_warps"):
+      common.check_pow2("SegmentSumConfig", name, getattr(self, name))
+    common.check_tile("SegmentSumConfig", self.block_segments,
+                      self.block_cols)
+    common.check_tile("SegmentSumConfig", self.piece_block_rows,
+                      self.block_cols)
+    if self.num_stages < 1:
+      raise ValueError(f"pallas_emb SegmentSumConfig.num_stages must be >= "
+                       f"1, got {self.num_stages}.")
 
-  def rows_per_chunk(self, block_cols: int) -> int:
-    return max(1, min(self.chunk_rows, self.max_tile_elements // block_cols))
+
+def resolve_config(config: SegmentSumConfig | None, num_rows: int,
+                   num_segments: int, width: int) -> SegmentSumConfig:
+  """`config` with every None field filled in by the shape heuristic.
+
+  Accumulators are f32, so tiles are sized for 4-byte elements. A segment
+  walks at most `piece_rows` head rows, one step each, and a hot one then
+  adds `len / piece_rows` piece sums, `block_segments` per step: 32 rows per
+  piece keeps both chains short for 16k-262k tokens (the top id of a
+  Zipf(1.05) batch of 262k tokens: <= 32 + 25,000 / 32 / block_segments).
+  """
+  config = config or SegmentSumConfig()
+  f32 = 4
+  block_cols = config.block_cols or common.block_cols_for(
+      width, f32, _MAX_ROW_BYTES)
+  block_segments = config.block_segments or common.block_rows_for(
+      num_segments, block_cols, f32, tile_bytes=_SEGMENT_TILE_BYTES,
+      min_programs=_MIN_PROGRAMS)
+  piece_rows = config.piece_rows or 32
+  piece_block_rows = config.piece_block_rows or min(piece_rows, max(
+      1, common.pow2_floor(_PIECE_TILE_BYTES // (block_cols * f32))))
+  del num_rows  # the pieces are sized by the chains, not by N
+  num_warps = config.num_warps or common.num_warps_for(
+      block_segments * block_cols, f32)
+  piece_num_warps = config.piece_num_warps or common.num_warps_for(
+      min(piece_block_rows, piece_rows) * block_cols, f32)
+  return SegmentSumConfig(piece_rows, block_segments, block_cols,
+                          piece_block_rows, num_warps, piece_num_warps,
+                          config.num_stages)
 
 
-def _segment_sum_kernel(starts_ref, order_ref, grads_ref, accum_ref,
-                        row_sq_ref, *, num_rows, num_segments, width,
-                        round_dtype, block_segments, chunk_rows, block_cols):
-  cols = jnp.arange(block_cols)
-  col_ok = cols < width
-  first = pl.program_id(0) * block_segments
-  lanes = jnp.arange(block_segments)
+def _column_blocks(width: int, block_cols: int, body, init):
+  """`body(cols, carry)` over the column blocks (straight-line if one)."""
+  def one(j, carry):
+    return body(j * block_cols + jnp.arange(block_cols), carry)
+  num_blocks = pl.cdiv(width, block_cols)
+  if num_blocks == 1:
+    return one(0, init)
+  return lax.fori_loop(0, num_blocks, one, init)
 
-  def one_segment(j, row_sq):
-    u = first + j
-    # `starts` is padded past U with the end of the valid rows, so these two
-    # loads are in range and the padded segments are empty.
-    start = starts_ref[u]
-    end = starts_ref[u + 1]
 
-    def one_chunk(k, acc):
-      pos = start + k * chunk_rows + jnp.arange(chunk_rows)
-      ok = pos < end
-      src = plgpu.load(order_ref.at[jnp.where(ok, pos, num_rows)],
-                       mask=ok, other=0)
-      tile_ok = ok[:, None] & col_ok[None, :]
-      offsets = jnp.where(tile_ok, src[:, None] * width + cols[None, :],
-                          num_rows * width)
-      rows = plgpu.load(grads_ref.at[offsets], mask=tile_ok, other=0)
+def _pieces_kernel(keys_ref, end_ref, order_ref, grads_ref, pieces_ref, *,
+                   num_pieces, num_segments, width, piece_rows, block_rows,
+                   block_cols, interpret):
+  """Piece c: sum of the run covering sorted position c * piece_rows, to the
+  end of the piece or of the run (zeros if that position is dropped)."""
+  c = pl.program_id(0)
+  first = c * piece_rows
+  seg = keys_ref[first]
+  seg_ok = seg < num_segments
+  run_end = end_ref[jnp.where(seg_ok, seg, 0)]
+  last = jnp.where(seg_ok, jnp.minimum(run_end, first + piece_rows), first)
+  steps = (last - first + block_rows - 1) // block_rows
+
+  def column_block(cols, carry):
+    mask_cols = None if width % block_cols == 0 else (cols < width)[None, :]
+
+    def step(k, acc):
+      pos = first + k * block_rows + jnp.arange(block_rows)
+      ok = pos < last
+      src = plgpu.load(order_ref.at[pos], mask=ok, other=0)
+      mask = ok[:, None] if mask_cols is None else ok[:, None] & mask_cols
+      rows = plgpu.load(grads_ref.at[src[:, None] * width + cols[None, :]],
+                        mask=mask, other=0)
       return acc + rows.astype(jnp.float32)
 
-    num_chunks = (end - start + chunk_rows - 1) // chunk_rows
-    acc = lax.fori_loop(0, num_chunks, one_chunk,
-                        jnp.zeros((chunk_rows, block_cols), jnp.float32))
-    total = jnp.sum(acc, axis=0)
-    seg_ok = u < num_segments
-    out_ok = seg_ok & col_ok
-    plgpu.store(
-        accum_ref.at[jnp.where(out_ok, u * width + cols,
-                               num_segments * width)],
-        total, mask=out_ok)
-    sq = jnp.sum(jnp.square(common.round_to(total, round_dtype)))
-    return jnp.where(lanes == j, sq, row_sq)
+    acc = lax.fori_loop(0, steps, step,
+                        jnp.zeros((block_rows, block_cols), jnp.float32))
+    # One program per piece row: no other program writes it. Kept 2-D
+    # ([1, block_cols], the tile's layout) so the store is vectorized.
+    total = jnp.sum(acc, axis=0, keepdims=True)
+    dst = c * width + cols[None, :]
+    if mask_cols is None:
+      plgpu.store(pieces_ref.at[dst], total)
+    else:
+      dst = common.store_offsets(dst, mask_cols, num_pieces * width,
+                                 interpret)
+      plgpu.store(pieces_ref.at[dst], total, mask=mask_cols)
+    return carry
 
-  row_sq = lax.fori_loop(0, block_segments, one_segment,
-                         jnp.zeros((block_segments,), jnp.float32))
-  segs = first + lanes
-  ok = segs < num_segments
-  plgpu.store(row_sq_ref.at[jnp.where(ok, segs, num_segments)], row_sq,
-              mask=ok)
+  _column_blocks(width, block_cols, column_block, 0)
 
 
-def sort_segments(segment_ids: jax.Array, num_segments: int,
-                  padded_segments: int) -> tuple[jax.Array, jax.Array]:
-  """Stable sort order of the rows and the run starts of every segment.
+def _segment_kernel(start_ref, end_ref, order_ref, grads_ref, pieces_ref,
+                    accum_ref, row_sq_ref, *, num_segments, width, round_dtype,
+                    piece_rows, block_segments, block_cols, interpret):
+  lanes = jnp.arange(block_segments)
+  segs = pl.program_id(0) * block_segments + lanes
+  seg_ok = segs < num_segments
+  start = plgpu.load(start_ref.at[segs], mask=seg_ok, other=0)
+  end = plgpu.load(end_ref.at[segs], mask=seg_ok, other=0)
+  # Head: from start to the first piece boundary after it (at most
+  # piece_rows rows), clipped to the run; then the pieces [first_piece,
+  # last_piece) whose first position lies inside the run (only runs that
+  # cross a piece boundary have any).
+  first_piece = start // piece_rows + 1
+  last_piece = (end + piece_rows - 1) // piece_rows
+  head_len = jnp.minimum(end, first_piece * piece_rows) - start
+  num_pieces = jnp.maximum(last_piece - first_piece, 0)
+  head_steps = jnp.max(head_len)
+  out_rows = jnp.where(seg_ok, segs, 0)
 
-  Returns `order[N]` (row indices, valid segments first, by segment id, ties
-  in row order) and `starts[padded_segments + 1]` where segment u's rows are
-  `order[starts[u]:starts[u + 1]]`; entries past U all equal the number of
-  valid rows, so padded segments are empty.
+  def column_block(cols, row_sq):
+    col_ok = None if width % block_cols == 0 else (cols < width)[None, :]
+
+    def with_cols(mask):
+      return mask if col_ok is None else mask & col_ok
+
+    def head_step(k, acc):
+      ok = k < head_len
+      src = plgpu.load(order_ref.at[start + k], mask=ok, other=0)
+      rows = plgpu.load(grads_ref.at[src[:, None] * width + cols[None, :]],
+                        mask=with_cols(ok[:, None]), other=0)
+      return acc + rows.astype(jnp.float32)
+
+    acc = lax.fori_loop(0, head_steps, head_step,
+                        jnp.zeros((block_segments, block_cols), jnp.float32))
+
+    # Segments that cover whole pieces (hot ids; usually none): add their
+    # pieces' sums, one segment at a time in lane order.
+    def next_lane(after):
+      return jnp.min(jnp.where((num_pieces > 0) & (lanes > after), lanes,
+                               block_segments))
+
+    def add_pieces(state):
+      lane, acc = state
+      pick = lanes == lane
+      first = jnp.sum(jnp.where(pick, first_piece, 0))
+      count = jnp.sum(jnp.where(pick, num_pieces, 0))
+
+      def piece_step(k, total):
+        idx = k * block_segments + lanes
+        ok = idx < count
+        rows = plgpu.load(
+            pieces_ref.at[(first + idx)[:, None] * width + cols[None, :]],
+            mask=with_cols(ok[:, None]), other=0)
+        return total + rows
+
+      # Tiles shaped like the accumulator: the same register budget.
+      total = lax.fori_loop(
+          0, (count + block_segments - 1) // block_segments, piece_step,
+          jnp.zeros((block_segments, block_cols), jnp.float32))
+      acc = jnp.where(pick[:, None], acc + jnp.sum(total, axis=0)[None, :],
+                      acc)
+      return next_lane(lane), acc
+
+    _, acc = lax.while_loop(lambda state: state[0] < block_segments,
+                            add_pieces, (next_lane(-1), acc))
+    mask = with_cols(seg_ok[:, None])
+    dst = common.store_offsets(out_rows[:, None] * width + cols[None, :],
+                               mask, num_segments * width, interpret)
+    plgpu.store(accum_ref.at[dst], acc, mask=mask)
+    return row_sq + jnp.sum(jnp.square(common.round_to(acc, round_dtype)),
+                            axis=1)
+
+  row_sq = _column_blocks(width, block_cols, column_block,
+                          jnp.zeros((block_segments,), jnp.float32))
+  plgpu.store(row_sq_ref.at[common.store_offsets(out_rows, seg_ok,
+                                                 num_segments, interpret)],
+              row_sq, mask=seg_ok)
+
+
+def sort_segments(segment_ids: jax.Array, num_segments: int
+                  ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+  """Sorted keys and order, and every segment's run in the sorted order.
+
+  Returns `keys[N]` (segment ids sorted, dropped ones as `U`, last),
+  `order[N]` (row indices, ties in row order) and `start[U]`, `end[U]`:
+  segment u's rows are `order[start[u]:end[u]]` (0, 0 when it is empty).
+  The runs come from two scatters that write each segment once (at its
+  first and last sorted position); the other positions go to distinct
+  slots past `U`, which the scatters drop.
   """
+  (num_rows,) = segment_ids.shape
   valid = (segment_ids >= 0) & (segment_ids < num_segments)
   keys = jnp.where(valid, segment_ids, num_segments)
-  order = jnp.argsort(keys, stable=True).astype(jnp.int32)
-  queries = jnp.minimum(jnp.arange(padded_segments + 1, dtype=jnp.int32),
-                        num_segments)
-  starts = jnp.searchsorted(keys[order], queries, side="left")
-  return order, starts.astype(jnp.int32)
+  pos = jnp.arange(num_rows, dtype=jnp.int32)
+  keys, order = lax.sort((keys, pos), num_keys=1, is_stable=True)
+  differs = keys[1:] != keys[:-1]
+  is_first = jnp.concatenate([jnp.ones((1,), bool), differs])
+  is_last = jnp.concatenate([differs, jnp.ones((1,), bool)])
+  in_range = keys < num_segments
+  spare = num_segments + pos
+
+  def runs(is_edge, value):
+    slots = jnp.where(is_edge & in_range, keys, spare)
+    return jnp.zeros((num_segments,), jnp.int32).at[slots].set(
+        value, mode="drop", unique_indices=True)
+
+  return keys, order, runs(is_first, pos), runs(is_last, pos + 1)
 
 
 def segment_sum_rows(grads: jax.Array, segment_ids: jax.Array,
-                     num_segments: int, *, round_dtype, interpret: bool = False,
-                     config: SegmentSumConfig = SegmentSumConfig()
+                     num_segments: int, *, round_dtype,
+                     interpret: bool = False,
+                     config: SegmentSumConfig | None = None
                      ) -> tuple[jax.Array, jax.Array]:
   """f32 `[U, S]` per-segment sums of `[N, S]` rows and `[U + 1]` `row_sq`.
 
@@ -144,30 +303,104 @@ def segment_sum_rows(grads: jax.Array, segment_ids: jax.Array,
   if num_segments < 1:
     raise ValueError(f"pallas_emb segment_sum_rows needs num_segments >= 1, "
                      f"got {num_segments}.")
-  common.check_flat_size(grads, "gradient block")
-  common.check_flat_size(
-      jax.ShapeDtypeStruct((num_segments, width), jnp.float32), "grad_accum")
+  config = resolve_config(config, num_rows, num_segments, width)
+  num_pieces = pl.cdiv(num_rows, config.piece_rows)
+  common.check_flat_sizes(
+      "segment_sum", **{"gradient block": grads.shape,
+                        "grad_accum": (num_segments, width),
+                        "piece sums": (num_pieces, width),
+                        "segments + rows": (num_segments + num_rows,)})
+  if num_rows == 0:
+    accum = jnp.zeros((num_segments, width), jnp.float32)
+    return accum, jnp.zeros((num_segments + 1,), jnp.float32)
 
-  block_cols = pl.next_power_of_2(width)
-  num_blocks = pl.cdiv(num_segments, config.block_segments)
-  order, starts = sort_segments(segment_ids, num_segments,
-                                num_blocks * config.block_segments)
-  kernel = functools.partial(
-      _segment_sum_kernel, num_rows=num_rows, num_segments=num_segments,
-      width=width, round_dtype=jnp.dtype(round_dtype),
-      block_segments=config.block_segments,
-      chunk_rows=config.rows_per_chunk(block_cols), block_cols=block_cols)
-  accum, row_sq = pl.pallas_call(
-      kernel,
-      out_shape=(
-          jax.ShapeDtypeStruct((num_segments * width,), jnp.float32),
-          jax.ShapeDtypeStruct((num_segments,), jnp.float32),
-      ),
-      grid=(num_blocks,),
-      interpret=interpret,
-      compiler_params=plgpu.CompilerParams(num_warps=config.num_warps,
-                                           num_stages=config.num_stages),
-      name="pallas_emb_segment_sum",
-  )(starts, order, grads.reshape(-1))
+  keys, order, start, end = sort_segments(segment_ids, num_segments)
+  params = plgpu.CompilerParams
+  pieces_kernel = functools.partial(
+      _pieces_kernel, num_pieces=num_pieces, num_segments=num_segments,
+      width=width, piece_rows=config.piece_rows,
+      block_rows=min(config.piece_block_rows, config.piece_rows),
+      block_cols=config.block_cols, interpret=interpret)
+  segment_kernel = functools.partial(
+      _segment_kernel, num_segments=num_segments, width=width,
+      round_dtype=jnp.dtype(round_dtype), piece_rows=config.piece_rows,
+      block_segments=config.block_segments, block_cols=config.block_cols,
+      interpret=interpret)
+  with common.quiet_triton_deprecation():
+    pieces = pl.pallas_call(
+        pieces_kernel,
+        out_shape=jax.ShapeDtypeStruct((num_pieces * width,), jnp.float32),
+        grid=(num_pieces,),
+        interpret=interpret,
+        compiler_params=params(num_warps=config.piece_num_warps,
+                               num_stages=config.num_stages),
+        name="pallas_emb_segment_sum_pieces",
+    )(keys, end, order, grads.reshape(-1))
+    accum, row_sq = pl.pallas_call(
+        segment_kernel,
+        out_shape=(
+            jax.ShapeDtypeStruct((num_segments * width,), jnp.float32),
+            jax.ShapeDtypeStruct((num_segments,), jnp.float32),
+        ),
+        grid=(pl.cdiv(num_segments, config.block_segments),),
+        interpret=interpret,
+        compiler_params=params(num_warps=config.num_warps,
+                               num_stages=config.num_stages),
+        name="pallas_emb_segment_sum",
+    )(start, end, order, grads.reshape(-1), pieces)
   row_sq = jnp.concatenate([row_sq, jnp.sum(row_sq, keepdims=True)])
   return accum.reshape(num_segments, width), row_sq
+
+
+# --------------------------------------------------------------------------
+# Block-size sweep: python -m pallas_emb.kernels.segment_sum
+# --------------------------------------------------------------------------
+
+
+def main(argv=None) -> None:
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  from pallas_emb.kernels import reference  # pylint: disable=g-import-not-at-top
+  from pallas_emb.kernels import sweep  # pylint: disable=g-import-not-at-top
+
+  args = sweep.parse_args("segment_sum", argv, rows=10_000_000,
+                          tokens=262_144)
+  ids = sweep.zipf_ids(args.tokens, args.rows, args.zipf, args.seed)
+  _, segments = np.unique(ids, return_inverse=True)
+  num_segments = int(segments.max()) + 2  # one empty slot, as dedup pads
+
+  def setup(width, dtype, key):
+    grads = jax.random.normal(key, (args.tokens, width),
+                              jnp.float32).astype(dtype)
+    return grads, jnp.asarray(segments.astype(np.int32))
+
+  def run(config, grads, segs):
+    return segment_sum_rows(grads, segs, num_segments, round_dtype=grads.dtype,
+                            interpret=args.interpret, config=config)
+
+  def twin(grads, segs):
+    return reference.segment_sum_rows(grads, segs, num_segments,
+                                      round_dtype=grads.dtype)
+
+  def candidates(width, dtype):
+    del dtype
+    top = common.next_pow2(width)
+    for block_cols in sweep.pow2_range(min(top, 8), min(top, 256)):
+      for block_segments in sweep.pow2_range(16, 1024):
+        if block_segments * block_cols > 4096:
+          continue
+        for piece_rows in (16, 32, 64, 128):
+          yield SegmentSumConfig(piece_rows, block_segments, block_cols)
+
+  def bytes_moved(width, dtype):
+    return args.tokens * width * (jnp.dtype(dtype).itemsize
+                                  + 4 * num_segments / args.tokens)
+
+  sweep.run_sweep(
+      args, setup=setup, run=run, twin=twin, candidates=candidates,
+      default=lambda width, dtype: resolve_config(None, args.tokens,
+                                                  num_segments, width),
+      bytes_moved=bytes_moved, exact=False)
+
+
+if __name__ == "__main__":
+  main()

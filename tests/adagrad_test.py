@@ -1,40 +1,37 @@
-"""Segment-sum and row-wise Adagrad kernels against an independent numpy model.
+"""The row-wise Adagrad kernel against a numpy model and its jnp twin.
 
-Both backends of each operation (the jnp twin, `xla`, and the Pallas kernel,
-`interpret` on CPU, plus `pallas` on a GPU) are checked against loops written
-here in numpy, then against each other; the Triton lowering is checked on CPU
-through `lower(lowering_platforms=("cuda",))`.
+Backends: the twin (`xla`), the kernel through the interpreter everywhere,
+and the Triton kernel on a GPU. The interpreter is bit-exact against the
+twin (same expressions in the same order, `common.adagrad_row_update` /
+`adagrad_new_values`); on a GPU, Triton's division, sqrt and exp may differ
+by an ulp, so GPU runs are compared with a tolerance (stated per check).
+Also: eager and lazy modes, column blocks (wide shards), the interpreter's
+masked-store hazard in this kernel, config and int32 checks, the in-place
+CUDA lowering and the twin's compiled HLO.
 """
 
-import os
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+import functools
+import re
+from unittest import mock
 
-import re  # pylint: disable=g-import-not-at-top,wrong-import-position
-import sys  # pylint: disable=g-import-not-at-top,wrong-import-position
+import test_util
 
-from absl.testing import absltest  # pylint: disable=g-import-not-at-top
-from absl.testing import parameterized  # pylint: disable=g-import-not-at-top
-import jax  # pylint: disable=g-import-not-at-top
-import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
-import ml_dtypes  # pylint: disable=g-import-not-at-top
-import numpy as np  # pylint: disable=g-import-not-at-top
+from absl.testing import absltest
+from absl.testing import parameterized
+import jax
+import jax.numpy as jnp
+import numpy as np
 
-try:
-  from pallas_emb import kernels  # pylint: disable=g-import-not-at-top
-except ImportError:  # run from a checkout without PYTHONPATH
-  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(
-      __file__))))
-  from pallas_emb import kernels  # pylint: disable=g-import-not-at-top
-from pallas_emb.kernels import adagrad  # pylint: disable=g-import-not-at-top
-from pallas_emb.kernels import reference  # pylint: disable=g-import-not-at-top
-from pallas_emb.kernels import segment_sum  # pylint: disable=g-import-not-at-top
-from pallas_emb.kernels.hparams import AdagradHParams  # pylint: disable=g-import-not-at-top
+from pallas_emb import kernels
+from pallas_emb.kernels import adagrad
+from pallas_emb.kernels import common
+from pallas_emb.kernels import reference
+from pallas_emb.kernels.hparams import AdagradHParams
 
-BF16 = ml_dtypes.bfloat16
+BF16 = test_util.BF16
 F32 = np.float32
 INT32_MAX = np.iinfo(np.int32).max
 ON_GPU = jax.devices()[0].platform == "gpu"
-# The Pallas backends under test: the interpreter everywhere, Triton on GPU.
 KERNEL_BACKENDS = ("interpret", "pallas") if ON_GPU else ("interpret",)
 TRITON_CALL = "__gpu$xla.gpu.triton"
 
@@ -43,23 +40,6 @@ def np_round(x, dtype):
   """Rounds float32 values to `dtype` and back (identity for float32)."""
   x = np.asarray(x, F32)
   return x if np.dtype(dtype) == F32 else x.astype(BF16).astype(F32)
-
-
-# --------------------------------------------------------------------------
-# numpy models
-# --------------------------------------------------------------------------
-
-
-def np_segment_sum(grads, segment_ids, num_segments, round_dtype):
-  """float64 row loop: `grad_accum[U, S]` and `row_sq[U + 1]`."""
-  grads = np.asarray(grads).astype(np.float64)
-  accum = np.zeros((num_segments, grads.shape[1]), np.float64)
-  for row, seg in enumerate(np.asarray(segment_ids)):
-    if 0 <= seg < num_segments:
-      accum[seg] += grads[row]
-  accum = accum.astype(F32)
-  row_sq = (np_round(accum, round_dtype).astype(np.float64) ** 2).sum(axis=1)
-  return accum, np.append(row_sq, row_sq.sum())
 
 
 def np_adagrad(table, row_state, last_step, tokens, grad_accum, row_sq,
@@ -90,28 +70,6 @@ def np_adagrad(table, row_state, last_step, tokens, grad_accum, row_sq,
     table[t] = rounded(rounded(values * wd)
                        + rounded(lr_scale * rounded(grad_accum[u])))
   return table, row_state, last_step
-
-
-# --------------------------------------------------------------------------
-# inputs
-# --------------------------------------------------------------------------
-
-
-def segment_inputs(seed, num_rows, width, num_segments, dtype, integer=False):
-  """Rows with dropped ids (-1, U, beyond), a hot segment and empty ones."""
-  rng = np.random.default_rng(seed)
-  # Segment 0 is hot (~half the rows); the last two segments stay empty.
-  ids = np.where(rng.random(num_rows) < 0.5, 0,
-                 rng.integers(0, max(1, num_segments - 2), num_rows))
-  drops = rng.random(num_rows)
-  ids = np.where(drops < 0.08, -1, ids)
-  ids = np.where((drops >= 0.08) & (drops < 0.12), num_segments, ids)
-  ids = np.where((drops >= 0.12) & (drops < 0.14), num_segments + 7, ids)
-  if integer:
-    grads = rng.integers(-4, 5, (num_rows, width))
-  else:
-    grads = rng.standard_normal((num_rows, width))
-  return grads.astype(dtype), ids.astype(np.int32)
 
 
 VOCAB = 40
@@ -149,13 +107,16 @@ HPARAMS = {
 }
 
 
-def run_adagrad(backend, args, hp, apply=True, step=9, lr=0.1, config=None):
+def run_adagrad(backend, args, hp, apply=True, step=9, lr=0.1, config=None,
+                dispatch_config=None):
+  """One update; `config` calls the kernel module, else the dispatch."""
   table, row_state, last_step, tokens, grad_accum, row_sq = args
   if config is not None:
     fn = lambda *a: adagrad.adagrad_apply(
         *a, hparams=hp, interpret=backend == "interpret", config=config)
   else:
-    fn = lambda *a: kernels.adagrad_apply(*a, hparams=hp, backend=backend)
+    fn = lambda *a: kernels.adagrad_apply(*a, hparams=hp, backend=backend,
+                                          config=dispatch_config)
   out = jax.jit(fn)(jnp.asarray(table), jnp.asarray(row_state),
                     None if last_step is None else jnp.asarray(last_step),
                     jnp.asarray(tokens), jnp.asarray(grad_accum),
@@ -167,114 +128,6 @@ def run_adagrad(backend, args, hp, apply=True, step=9, lr=0.1, config=None):
 def bits(x):
   x = np.asarray(x)
   return x.view(np.uint16 if x.dtype.itemsize == 2 else np.uint32)
-
-
-# --------------------------------------------------------------------------
-# segment sum
-# --------------------------------------------------------------------------
-
-
-class SegmentSumTest(parameterized.TestCase):
-
-  @parameterized.named_parameters(
-      (f"{backend}_{np.dtype(dtype).name}_w{width}_n{rows}_u{segs}", backend,
-       (width, dtype, rows, segs))
-      for backend in ("xla",) + KERNEL_BACKENDS
-      for width, dtype, rows, segs in ((1, F32, 128, 7), (3, BF16, 100, 10),
-                                       (8, F32, 64, 5), (12, BF16, 96, 20),
-                                       (64, F32, 48, 6)))
-  def test_matches_numpy(self, backend, case):
-    width, dtype, num_rows, num_segments = case
-    grads, ids = segment_inputs(width, num_rows, width, num_segments, dtype)
-    round_dtype = jnp.bfloat16 if dtype == BF16 else jnp.float32
-    accum, row_sq = jax.jit(
-        lambda g, i: kernels.segment_sum_rows(
-            g, i, num_segments, round_dtype=round_dtype, backend=backend))(
-                grads, ids)
-    want_accum, want_sq = np_segment_sum(grads, ids, num_segments,
-                                         round_dtype)
-    self.assertEqual(accum.dtype, jnp.float32)
-    self.assertEqual(accum.shape, (num_segments, width))
-    self.assertEqual(row_sq.shape, (num_segments + 1,))
-    scale = np.abs(np.asarray(grads, F32)).sum(axis=0).max()
-    np.testing.assert_allclose(accum, want_accum, rtol=1e-6,
-                               atol=1e-6 * scale)
-    np.testing.assert_allclose(row_sq, want_sq, rtol=1e-5, atol=1e-6)
-    # Empty segments are exact zeros.
-    np.testing.assert_array_equal(accum[-2:], 0)
-
-  @parameterized.product(backend=("xla",) + KERNEL_BACKENDS,
-                         unique=(False, True))
-  def test_exact(self, backend, unique):
-    """Integer-valued rows, or one row per segment: every backend is exact."""
-    num_segments, width = 24, 5
-    grads, ids = segment_inputs(1, 64, width, num_segments, F32,
-                                integer=not unique)
-    if unique:
-      ids = np.random.default_rng(2).permutation(64)[:64].astype(np.int32) - 8
-    accum, row_sq = kernels.segment_sum_rows(
-        grads, ids, num_segments, round_dtype=jnp.float32, backend=backend)
-    want_accum, want_sq = np_segment_sum(grads, ids, num_segments, F32)
-    np.testing.assert_array_equal(accum, want_accum)
-    if not unique:  # small integers: the squares sum exactly too
-      np.testing.assert_array_equal(row_sq, want_sq)
-
-  @parameterized.product(backend=KERNEL_BACKENDS)
-  def test_kernel_matches_twin_and_is_deterministic(self, backend):
-    num_segments = 9
-    grads, ids = segment_inputs(3, 128, 12, num_segments, BF16)
-    # Tiny tiles: several programs, a partial last block, many chunks for the
-    # hot segment.
-    config = segment_sum.SegmentSumConfig(block_segments=4, chunk_rows=4)
-    run = jax.jit(lambda g, i: segment_sum.segment_sum_rows(
-        g, i, num_segments, round_dtype=jnp.bfloat16,
-        interpret=backend == "interpret", config=config))
-    accum, row_sq = run(grads, ids)
-    again = run(grads, ids)
-    np.testing.assert_array_equal(bits(accum), bits(again[0]))
-    np.testing.assert_array_equal(bits(row_sq), bits(again[1]))
-    twin_accum, twin_sq = reference.segment_sum_rows(
-        jnp.asarray(grads), jnp.asarray(ids), num_segments,
-        round_dtype=jnp.bfloat16)
-    np.testing.assert_allclose(accum, twin_accum, rtol=1e-6, atol=1e-5)
-    np.testing.assert_allclose(row_sq, twin_sq, rtol=1e-5)
-
-  @parameterized.product(backend=("xla",) + KERNEL_BACKENDS)
-  def test_all_dropped(self, backend):
-    grads = np.ones((16, 3), F32)
-    ids = np.array([-1, 4, 9, -7] * 4, np.int32)
-    accum, row_sq = kernels.segment_sum_rows(
-        grads, ids, 4, round_dtype=jnp.float32, backend=backend)
-    np.testing.assert_array_equal(accum, np.zeros((4, 3)))
-    np.testing.assert_array_equal(row_sq, np.zeros(5))
-
-  def test_twin_does_not_sort(self):
-    """On CPU the twin is a scatter-add: no O(N log N) sort."""
-    grads, ids = segment_inputs(0, 64, 8, 10, F32)
-    hlo = jax.jit(lambda g, i: reference.segment_sum_rows(
-        g, i, 10, round_dtype=jnp.bfloat16)).lower(grads, ids).as_text()
-    self.assertNotIn("stablehlo.sort", hlo)
-
-  def test_config_must_be_powers_of_two(self):
-    with self.assertRaisesRegex(ValueError, "chunk_rows must be a positive"):
-      segment_sum.SegmentSumConfig(chunk_rows=3)
-    self.assertEqual(segment_sum.SegmentSumConfig().rows_per_chunk(2048), 2)
-
-  @parameterized.parameters((12, jnp.float32), (3, jnp.bfloat16),
-                            (130, jnp.bfloat16))
-  def test_lowers_to_triton(self, width, dtype):
-    grads = jax.ShapeDtypeStruct((40, width), dtype)
-    ids = jax.ShapeDtypeStruct((40,), jnp.int32)
-    fn = lambda g, i: kernels.segment_sum_rows(
-        g, i, 11, round_dtype=dtype, backend="pallas")
-    text = jax.jit(fn).trace(grads, ids).lower(
-        lowering_platforms=("cuda",)).as_text()
-    self.assertIn(TRITON_CALL, text)
-
-
-# --------------------------------------------------------------------------
-# Adagrad
-# --------------------------------------------------------------------------
 
 
 class AdagradTest(parameterized.TestCase):
@@ -386,9 +239,106 @@ class AdagradTest(parameterized.TestCase):
       got = run_adagrad(backend, with_total, hp)
       np.testing.assert_array_equal(bits(got[0]), bits(want[0]))
 
+  @parameterized.product(backend=KERNEL_BACKENDS,
+                         case=(("eager_decay", F32, 300, 128),
+                               ("lazy_decay", BF16, 200, 64),
+                               ("lazy_wd", F32, 520, None)))
+  def test_wide_shards_column_blocks(self, backend, case):
+    """Several column blocks (a loop inside the program), last one padded."""
+    hp_name, dtype, width, block_cols = case
+    hp = HPARAMS[hp_name]
+    args = adagrad_inputs(5, width, dtype, hp.lazy)
+    config = adagrad.AdagradConfig(block_rows=4, block_cols=block_cols)
+    got = run_adagrad(backend, args, hp, step=6, config=config)
+    if block_cols is None:  # the heuristic splits a 520-wide f32 row too
+      resolved = adagrad.resolve_config(None, len(args[3]), width)
+      self.assertLess(resolved.block_cols, width)
+    twin = run_adagrad("xla", args, hp, step=6)
+    want = np_adagrad(*args, apply=True, step=6, lr=0.1, hp=hp)
+    for g, t, w in zip(got, twin, want):
+      if t is None:
+        continue
+      if backend == "interpret":
+        np.testing.assert_array_equal(bits(g), bits(t))
+      # numpy's exp may differ from XLA's by an ulp (lazy), and so may a
+      # GPU's division / sqrt / exp: one bf16 step, or 1e-6 in f32.
+      rtol = 1e-6 if g.dtype == F32 else 2**-7
+      np.testing.assert_allclose(np.asarray(g, F32), np.asarray(w, F32),
+                                 rtol=rtol, atol=1e-7)
+
+  def test_interpret_needs_the_store_guard(self):
+    """Without `common.store_offsets`, an interpreted update loses rows.
+
+    Width 3 in a 4-column tile: the padding column of a row's lane points at
+    the next row's first element. Tokens 8 then 7 in one program: the masked
+    padding lane of row 7 writes the OLD value of row 8, column 0, back
+    after row 8's real lane wrote it (see gather_test.MaskedStoreTest). The
+    guarded kernel is bit-exact against the twin; unguarded, it is not.
+    """
+    hp = HPARAMS["eager_plain"]
+    table, row_state, _, _, _, _ = adagrad_inputs(8, 3, F32, False)
+    tokens = np.array([8, 7, 20, 21], np.int32)
+    rng = np.random.default_rng(9)
+    grad = rng.standard_normal((4, 3)).astype(F32)
+    row_sq = (grad.astype(np.float64) ** 2).sum(axis=1).astype(F32)
+    args = (table, row_state, None, tokens, grad, row_sq)
+    config = adagrad.AdagradConfig(block_rows=4, block_cols=4)
+    twin = run_adagrad("xla", args, hp)
+    guarded = run_adagrad("interpret", args, hp, config=config)
+    np.testing.assert_array_equal(bits(guarded[0]), bits(twin[0]))
+    with mock.patch.object(common, "store_offsets",
+                           lambda offsets, mask, size, interpret: offsets):
+      unguarded = run_adagrad("interpret", args, hp, config=config)
+    self.assertFalse(np.array_equal(unguarded[0][8], twin[0][8]))
+    np.testing.assert_array_equal(unguarded[0][8, 0], table[8, 0])  # stale
+
+  def test_dispatch_passes_config(self):
+    hp = HPARAMS["lazy_decay"]
+    args = adagrad_inputs(2, 6, F32, True)
+    config = adagrad.AdagradConfig(block_rows=2, block_cols=2, num_warps=1)
+    via_dispatch = run_adagrad("interpret", args, hp, dispatch_config=config)
+    direct = run_adagrad("interpret", args, hp, config=config)
+    for a, b in zip(via_dispatch, direct):
+      np.testing.assert_array_equal(bits(a), bits(b))
+
+  def test_config_checks(self):
+    with self.assertRaisesRegex(ValueError, "block_rows must be a positive "
+                                "power of two, got 6"):
+      adagrad.AdagradConfig(block_rows=6)
+    with self.assertRaisesRegex(ValueError, "tile 64 x 512"):
+      adagrad.AdagradConfig(block_rows=64, block_cols=512)
+
+  @parameterized.product(width=(1, 3, 8, 64, 128, 512, 4096),
+                         num_unique=(1, 5000, 262145))
+  def test_heuristic_tiles_fit(self, width, num_unique):
+    """<= 1024 f32 per tile: with 4 warps, at most 8 elements per thread."""
+    c = adagrad.resolve_config(None, num_unique, width)
+    self.assertLessEqual(c.block_rows * c.block_cols, 1024)
+    self.assertLessEqual(c.block_rows * c.block_cols // (32 * c.num_warps), 8)
+    self.assertLessEqual(c.block_cols, common.next_pow2(width))
+
+  def test_int32_checks(self):
+    hp = HPARAMS["eager_plain"]
+    fn = functools.partial(kernels.adagrad_apply, hparams=hp,
+                           backend="pallas")
+    sds = jax.ShapeDtypeStruct
+    def args(vocab_rows, num_unique, width):
+      return (sds((vocab_rows, width), jnp.bfloat16),
+              sds((vocab_rows,), jnp.float32), None,
+              sds((num_unique,), jnp.int32),
+              sds((num_unique, width), jnp.float32),
+              sds((num_unique,), jnp.float32), True, 1, 0.1)
+    with self.assertRaisesRegex(ValueError, r"adagrad: table shard "
+                                r"\(134217728, 16\)"):
+      jax.eval_shape(fn, *args(2**27, 8, 16))
+    with self.assertRaisesRegex(ValueError, r"adagrad: grad_accum "
+                                r"\(33554432, 64\)"):
+      jax.eval_shape(fn, *args(1000, 2**25, 64))
+
   @parameterized.parameters((12, jnp.bfloat16, "lazy_decay"),
                             (3, jnp.float32, "eager_decay"),
-                            (130, jnp.bfloat16, "eager_plain"))
+                            (130, jnp.bfloat16, "eager_plain"),
+                            (1000, jnp.float32, "lazy_wd"))
   def test_lowers_to_triton_in_place(self, width, dtype, hp_name):
     hp = HPARAMS[hp_name]
     vocab_rows, num_unique = 50, 9
@@ -431,6 +381,49 @@ class AdagradTest(parameterized.TestCase):
     bad = full_table_copies(hlo, (vocab_rows, width),
                             jnp.dtype(dtype).itemsize * 8)
     self.assertEqual(bad, [], msg=hlo)
+
+
+_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%([\w.\-]+) = (\w+)\[([\d,]*)\]\S* "
+                    r"([\w\-]+)\(")
+_COMP = re.compile(r"^(ENTRY )?%([\w.\-]+) .*\{\s*$")
+_BITS = {"f32": 32, "s32": 32, "u32": 32, "bf16": 16, "u16": 16, "s16": 16,
+         "f16": 16}
+
+
+def full_table_copies(hlo: str, shape, table_bits):
+  """Top-level instructions of compiled HLO producing a new table-sized array.
+
+  Allowed: parameters, bitcasts, and fusions rooted at a scatter, a
+  dynamic-update-slice or a bitcast(-convert) whose element width is the
+  table's (a bf16 table scattered as f32 was upcast).
+  """
+  dims = ",".join(map(str, shape))
+  roots, entry, current = {}, [], None
+  for line in hlo.splitlines():
+    comp = _COMP.match(line)
+    if comp:
+      current = "ENTRY" if comp.group(1) else comp.group(2)
+      continue
+    instr = _INSTR.match(line)
+    if not instr:
+      continue
+    name, dtype, shape_dims, opcode = instr.groups()
+    if current == "ENTRY":
+      entry.append((name, dtype, shape_dims, opcode, line))
+    if line.lstrip().startswith("ROOT"):
+      roots[current] = opcode
+  bad = []
+  for name, dtype, shape_dims, opcode, line in entry:
+    if shape_dims != dims or opcode in ("parameter", "bitcast"):
+      continue
+    if opcode == "fusion":
+      called = re.search(r"calls=%([\w.\-]+)", line).group(1)
+      if (roots.get(called) in ("scatter", "dynamic-update-slice",
+                                "bitcast-convert", "bitcast")
+          and _BITS.get(dtype) == table_bits):
+        continue
+    bad.append(line.strip()[:200])
+  return bad
 
 
 _INSTR = re.compile(r"^\s*(?:ROOT\s+)?%([\w.\-]+) = (\w+)\[([\d,]*)\]\S* "
