@@ -35,6 +35,7 @@ import subprocess
 import tempfile
 
 import jax
+import jax.extend
 
 SM90A = 90
 
@@ -137,20 +138,48 @@ def _recording():
     module.lower_jaxpr_to_triton_module = original
 
 
-_PARAMS = re.compile(r'name = "([^"]+)", num_stages = (\d+) : i32, '
-                     r'num_warps = (\d+) : i32')
+def _subjaxprs(value):
+  """Jaxprs nested in an equation parameter (jit, shard_map, cond, ...)."""
+  if isinstance(value, jax.extend.core.ClosedJaxpr):
+    yield value.jaxpr
+  elif isinstance(value, jax.extend.core.Jaxpr):
+    yield value
+  elif isinstance(value, (tuple, list)):
+    for item in value:
+      yield from _subjaxprs(item)
+
+
+def _launch_params(jaxpr, found=None) -> dict[str, tuple[int, int]]:
+  """Kernel name -> (num_warps, num_stages) of every pallas_call, as the
+  Triton lowering resolves them (4 warps, 3 stages when unset)."""
+  found = {} if found is None else found
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == "pallas_call":
+      params = eqn.params.get("compiler_params")
+      num_warps = getattr(params, "num_warps", None)
+      num_stages = getattr(params, "num_stages", None)
+      name = eqn.params["jaxpr"].debug_info.func_name
+      found[name] = (4 if num_warps is None else num_warps,
+                     3 if num_stages is None else num_stages)
+      continue
+    for value in eqn.params.values():
+      for sub in _subjaxprs(value):
+        _launch_params(sub, found)
+  return found
 
 
 def capture(fn, *args, **kwargs) -> list[CapturedKernel]:
   """The Triton kernels of `jax.jit(fn, **kwargs)(*args)` lowered for CUDA."""
+  traced = jax.jit(fn, **kwargs).trace(*args)
+  params = _launch_params(traced.jaxpr.jaxpr)
   with _recording() as records:
-    lowered = jax.jit(fn, **kwargs).trace(*args).lower(
-        lowering_platforms=("cuda",))
-  params = {m.group(1): (int(m.group(3)), int(m.group(2)))
-            for m in _PARAMS.finditer(lowered.as_text())}
+    traced.lower(lowering_platforms=("cuda",))
   kernels = []
   for name, ttir, arg_names in records:
-    num_warps, num_stages = params.get(name, (4, 3))
+    if name not in params:
+      raise RuntimeError(f"pallas_emb.testing.ptx: no pallas_call named "
+                         f"{name!r} in the traced program ({sorted(params)})")
+    num_warps, num_stages = params[name]
     kernels.append(CapturedKernel(name, ttir, arg_names, num_warps,
                                   num_stages))
   return kernels

@@ -1,0 +1,166 @@
+"""Registers, spills and access widths of the kernels as an H100/H200 runs them.
+
+Lowered through the public API on a 1-device CPU mesh (`pe.lookup`,
+`pe.dedup` + `pe.apply_gradients` with backend="pallas", eager and lazy
+Adagrad; `lower(lowering_platforms=("cuda",))`, no GPU needed), each
+pallas_call is compiled for sm_90a with the `triton` package and its
+`ptxas -v` (`pallas_emb.testing.ptx`). For shard widths 8, 64, 128, 512 and
+f32 / bf16 tables, every kernel -- gather, both segment-sum kernels, Adagrad
+eager and lazy -- must have
+
+* zero spill bytes, and
+* vector row accesses: every global load/store of a row tile (a ref holding
+  `[rows, width]` data through a flat view) moves, per PTX instruction,
+  `min(16, itemsize * elements_per_thread)` bytes or more, where
+  `elements_per_thread = tile elements / (32 * num_warps)`: 16-byte `v4`
+  accesses whenever a thread holds 16 bytes of a row, `v2` when it holds 8.
+  At these widths every row is contiguous and 16-byte aligned.
+
+Exempt, and why:
+
+* per-row refs (one element per row: ids, tokens, sort order, run bounds,
+  `row_sq`, `row_state`, `last_step`): each lane's element belongs to a
+  different row -- gathered / scattered by token, or too short a vector per
+  thread -- so they are 4-byte accesses by nature;
+* scalars (`apply`, `step`, `lr`, the piece kernel's key and run end);
+* a row tile with fewer than 8 bytes per thread, i.e. the piece kernel's
+  one reduced row `[1, block_cols]` at block_cols <= 128 over 64-128
+  threads: it cannot be vectorized, and the formula above then asks for
+  what it gets (one element per thread; the warp's addresses are still one
+  contiguous segment).
+
+Skips when the `triton` package (e.g. `pip install triton==3.5.1`, the
+`test` extra) or jax's Pallas Triton lowering hook is missing.
+"""
+
+import logging
+
+import test_util
+
+from absl.testing import absltest
+from absl.testing import parameterized
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+import numpy as np
+
+import pallas_emb as pe
+from pallas_emb.testing import ptx
+
+WIDTHS = (8, 64, 128, 512)
+DTYPES = ("float32", "bfloat16")
+TOKENS = 16384  # a realistic batch: the heuristics size tiles by it
+VOCAB = 1_000_000
+
+# Kernel -> {ref: kind}; kind "row" must be vectorized, the others are the
+# exemptions of the module docstring. A ref missing here fails the test.
+REFS = {
+    "pallas_emb_gather": {
+        "table_ref": "row", "out_ref": "row", "ids_ref": "per_row"},
+    "pallas_emb_segment_sum_pieces": {
+        "grads_ref": "row", "pieces_ref": "row", "order_ref": "per_row",
+        "keys_ref": "scalar", "end_ref": "scalar"},
+    "pallas_emb_segment_sum": {
+        "grads_ref": "row", "pieces_ref": "row", "accum_ref": "row",
+        "order_ref": "per_row", "start_ref": "per_row", "end_ref": "per_row",
+        "row_sq_ref": "per_row"},
+    "pallas_emb_adagrad": {
+        "table_ref": "row", "grad_ref": "row", "table_out": "row",
+        "tokens_ref": "per_row", "row_sq_ref": "per_row",
+        "state_ref": "per_row", "last_ref": "per_row",
+        "state_out": "per_row", "last_out": "per_row",
+        "apply_ref": "scalar", "step_ref": "scalar", "lr_ref": "scalar"},
+}
+# Row refs each kernel must show (guards against a silent attribution bug).
+REQUIRED = {
+    "pallas_emb_gather": {("table_ref", "load"), ("out_ref", "store")},
+    "pallas_emb_segment_sum_pieces": {("grads_ref", "load"),
+                                      ("pieces_ref", "store")},
+    "pallas_emb_segment_sum": {("grads_ref", "load"), ("pieces_ref", "load"),
+                               ("accum_ref", "store")},
+    "pallas_emb_adagrad": {("table_ref", "load"), ("grad_ref", "load"),
+                           ("table_out", "store")},
+}
+_BYTES = {"b8": 1, "b16": 2, "b32": 4, "b64": 8, "f32": 4, "f16": 2, "u16": 2,
+          "s32": 4, "u32": 4, "f64": 8, "u8": 1, "s16": 2, "u64": 8, "s64": 8}
+_ITEMSIZE = {"f32": 4, "bf16": 2, "f16": 2, "i32": 4}
+SKIP_REASON = ptx.triton_available()
+
+
+def access_bytes(kind: str) -> int:
+  """Bytes one PTX access moves per thread, e.g. 'v4.b32' -> 16."""
+  parts = kind.split(".")
+  lanes = int(parts[0][1:]) if parts[0].startswith("v") else 1
+  return lanes * _BYTES[parts[-1]]
+
+
+def expected_bytes(access: ptx.Access, num_warps: int) -> int:
+  per_thread = max(1, int(np.prod(access.shape)) // (32 * num_warps))
+  return min(16, _ITEMSIZE[access.dtype] * per_thread)
+
+
+def public_api_kernels(width: int, dtype: str) -> list[ptx.CapturedKernel]:
+  """Every pallas_call of a lookup and of an eager and a lazy update."""
+  mesh = test_util.mesh({"x": 1})
+  ctx = pe.make_context(mesh, "x", tokens_per_batch=TOKENS, emb_width=width,
+                        num_unique=TOKENS + 1)
+  table_sharding = NamedSharding(mesh, P(None, "x"))
+  tokens = NamedSharding(mesh, P("x"))
+  table = jax.ShapeDtypeStruct((VOCAB, width), jnp.dtype(dtype),
+                               sharding=table_sharding)
+  ids = jax.ShapeDtypeStruct((TOKENS,), jnp.int32, sharding=tokens)
+  grads = jax.ShapeDtypeStruct((TOKENS, width), jnp.dtype(dtype),
+                               sharding=NamedSharding(mesh, P("x", None)))
+  captured = ptx.capture(
+      lambda t, i: pe.lookup(ctx, t, i, backend="pallas"), table, ids)
+  for opt in (pe.RowwiseAdagrad(0.1),
+              pe.RowwiseAdagrad(0.1, half_life_steps=100.0,
+                                weight_decay=1e-4, lazy=True)):
+    state = jax.eval_shape(lambda t, o=opt: o.init(ctx, t), table)
+
+    def step(t, s, i, g, opt=opt):
+      result = pe.dedup(ctx, i, vocab_rows=VOCAB)
+      return pe.apply_gradients(ctx, opt, t, s, g, result, backend="pallas")
+
+    captured += ptx.capture(step, table, state, ids, grads)
+  return captured
+
+
+@absltest.skipIf(SKIP_REASON is not None, f"PTX check skipped: {SKIP_REASON}")
+class PtxTest(parameterized.TestCase):
+
+  @parameterized.product(width=WIDTHS, dtype=DTYPES)
+  def test_no_spills_and_vector_row_accesses(self, width, dtype):
+    kernels = public_api_kernels(width, dtype)
+    names = sorted(k.name for k in kernels)
+    self.assertEqual(names, sorted(
+        ["pallas_emb_gather"] + ["pallas_emb_segment_sum_pieces",
+                                 "pallas_emb_segment_sum",
+                                 "pallas_emb_adagrad"] * 2))
+    for kernel in kernels:
+      report = ptx.compile_kernel(kernel)
+      logging.info("w=%d %s %s", width, dtype, report.row())
+      where = f"{kernel.name} (width {width}, {dtype}): {report.row()}"
+      self.assertEqual(report.spill_bytes, 0, f"spills in {where}")
+      refs = REFS[kernel.name]
+      seen = set()
+      for access in report.accesses:
+        self.assertIn(access.ref, refs, f"unclassified ref {access.ref!r} in "
+                      f"{where}; add it to REFS with a reason")
+        seen.add((access.ref, access.op))
+        if refs[access.ref] != "row":
+          continue
+        want = expected_bytes(access, report.num_warps)
+        for kind in access.widths:
+          self.assertGreaterEqual(
+              access_bytes(kind), want,
+              f"{access.op} of {access.ref}{list(access.shape)} is {kind} "
+              f"({access_bytes(kind)} bytes per thread), expected >= {want} "
+              f"in {where}")
+      self.assertEmpty(REQUIRED[kernel.name] - seen,
+                       f"row accesses missing from {where}")
+
+
+if __name__ == "__main__":
+  absltest.main()
