@@ -205,7 +205,8 @@ def adagrad_apply(table: jax.Array, row_state: jax.Array,
     out_shape.append(jax.ShapeDtypeStruct((vocab_rows,), jnp.int32))
   first_state = len(scalars) + 3
   kernel = functools.partial(
-      _lazy_kernel if hparams.lazy else _eager_kernel, hparams=hparams, num_unique=num_unique,
+      _lazy_kernel if hparams.lazy else _eager_kernel, hparams=hparams,
+      num_unique=num_unique,
       vocab_rows=vocab_rows, width=width, block_rows=config.block_rows,
       block_cols=config.block_cols, interpret=interpret)
   with common.quiet_triton_deprecation():
@@ -271,8 +272,8 @@ def main(argv=None) -> None:
   def candidates(width, dtype):
     del dtype
     top = common.next_pow2(width)
-    for block_cols in sweep.pow2_range(min(top, 8), min(top, 256)):
-      for block_rows in sweep.pow2_range(8, 1024):
+    for block_cols in sweep.pow2_down(min(top, 8), min(top, 256)):
+      for block_rows in sweep.pow2_down(8, 1024):
         if 128 <= block_rows * block_cols <= 8192:
           for num_warps in (1, 2, 4, 8):
             yield AdagradConfig(block_rows, block_cols, num_warps)

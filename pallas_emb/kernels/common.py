@@ -46,7 +46,11 @@ def wrap_once(ids: jax.Array, vocab_rows: int) -> jax.Array:
 
 
 def check_flat_size(array, what: str) -> None:
-  """Raises ValueError if `array` (or a ShapeDtypeStruct) is too big for int32 offsets."""
+  """Raises ValueError if `array` (or a ShapeDtypeStruct) is too big.
+
+  Too big: more elements than int32 offsets can address, one tile of
+  headroom kept.
+  """
   size = math.prod(array.shape)
   if size > MAX_FLAT_SIZE - _OFFSET_HEADROOM:
     raise ValueError(
@@ -115,7 +119,7 @@ def block_cols_for(width: int, itemsize: int, max_row_bytes: int) -> int:
 def block_rows_for(num_rows: int, block_cols: int, itemsize: int, *,
                    tile_bytes: int, min_programs: int,
                    col_blocks: int = 1) -> int:
-  """Rows per block: a `tile_bytes` tile, fewer when that leaves too few programs.
+  """Rows per block: a `tile_bytes` tile, fewer if that leaves few programs.
 
   Narrow rows get many rows per block (a warp then covers several rows, each
   thread one 16-byte vector); the floor keeps one full vector per thread of
@@ -135,7 +139,7 @@ def num_warps_for(tile_elements: int, itemsize: int, max_warps: int = 4) -> int:
 
 def store_offsets(offsets: jax.Array, mask: jax.Array, size: int,
                   interpret: bool) -> jax.Array:
-  """Flat offsets of a masked store; masked lanes sent past `size` when interpreted.
+  """Flat offsets of a masked store; masked lanes past `size` if interpreted.
 
   On a GPU a masked lane does not write, so the offsets stay a plain
   `rows[:, None] * width + cols[None, :]` that Triton can vectorize. The

@@ -147,10 +147,10 @@ def main(argv=None) -> None:
 
   def candidates(width, dtype):
     itemsize = jnp.dtype(dtype).itemsize
-    for block_cols in sweep.pow2_range(1, common.next_pow2(width)):
+    for block_cols in sweep.pow2_down(1, common.next_pow2(width)):
       if block_cols * itemsize > 4 * _MAX_ROW_BYTES:
         continue
-      for block_rows in sweep.pow2_range(1, 4096):
+      for block_rows in sweep.pow2_down(1, 4096):
         if not 128 <= block_rows * block_cols <= common.MAX_TILE_ELEMENTS:
           continue
         for num_warps in (1, 2, 4, 8):

@@ -384,8 +384,8 @@ def main(argv=None) -> None:
   def candidates(width, dtype):
     del dtype
     top = common.next_pow2(width)
-    for block_cols in sweep.pow2_range(min(top, 8), min(top, 256)):
-      for block_segments in sweep.pow2_range(16, 1024):
+    for block_cols in sweep.pow2_down(min(top, 8), min(top, 256)):
+      for block_segments in sweep.pow2_down(16, 1024):
         if block_segments * block_cols > 4096:
           continue
         for piece_rows in (16, 32, 64, 128):

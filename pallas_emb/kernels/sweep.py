@@ -20,13 +20,14 @@ import jax.numpy as jnp
 import numpy as np
 
 
-def pow2_range(lo: int, hi: int):
-  """Powers of two in [lo, hi]."""
-  value = 1
-  while value <= hi:
-    if value >= lo:
-      yield value
-    value *= 2
+def pow2_range(lo: int, hi: int) -> list[int]:
+  """Powers of two in [lo, hi], smallest first."""
+  return [1 << k for k in range(max(hi, 1).bit_length()) if lo <= 1 << k <= hi]
+
+
+def pow2_down(lo: int, hi: int) -> list[int]:
+  """Powers of two in [lo, hi], largest first (whole rows before splits)."""
+  return pow2_range(lo, hi)[::-1]
 
 
 def zipf_ids(num_ids: int, vocab_rows: int, exponent: float,
