@@ -31,8 +31,10 @@ from pallas_emb.kernels.hparams import AdagradHParams
 BF16 = test_util.BF16
 F32 = np.float32
 INT32_MAX = np.iinfo(np.int32).max
-ON_GPU = jax.devices()[0].platform == "gpu"
-KERNEL_BACKENDS = ("interpret", "pallas") if ON_GPU else ("interpret",)
+# The kernel backends under test: interpret, plus pallas on a GPU, or the one
+# PALLAS_EMB_TEST_BACKEND names (the interpreter when that is "xla").
+KERNEL_BACKENDS = tuple(
+    b for b in test_util.backends() if b != "xla") or ("interpret",)
 TRITON_CALL = "__gpu$xla.gpu.triton"
 
 
