@@ -194,15 +194,15 @@ run_pytest() {  # run_pytest NAME MAX_SECONDS FILES...
 : >"$OUT/pytest.txt"
 
 # shellcheck disable=SC2086
-run_pytest pytest_kernels 110 $PYTEST_KERNELS
+run_pytest pytest_kernels 150 $PYTEST_KERNELS
 
 if [[ "${SKIP_BENCH:-0}" != 1 ]]; then
-  # The benchmark stops starting cases 30 s before its timeout and rewrites
+  # The benchmark stops starting cases 40 s before its timeout and rewrites
   # bench.json after every case, so a slow machine still leaves results.
-  bench_budget=$(( $(left) - 60 ))
-  if (( bench_budget > 200 )); then bench_budget=200; fi
-  stage bench 230 "$PYTHON" -m bench.kernels "${BENCH_ARGS[@]}" \
-    --budget_s=$(( bench_budget > 30 ? bench_budget - 30 : 1 )) \
+  bench_max=$(( $(left) - 30 ))
+  if (( bench_max > 180 )); then bench_max=180; fi
+  stage bench "$bench_max" "$PYTHON" -m bench.kernels "${BENCH_ARGS[@]}" \
+    --budget_s=$(( bench_max > 60 ? bench_max - 40 : 10 )) \
     --json_out="$OUT/bench.json"
 fi
 
