@@ -160,7 +160,8 @@ def _pieces_kernel(keys_ref, end_ref, order_ref, grads_ref, pieces_ref, *,
     acc = lax.fori_loop(0, steps, step,
                         jnp.zeros((block_rows, block_cols), jnp.float32))
     # One program per piece row: no other program writes it. Kept 2-D
-    # ([1, block_cols], the tile's layout) so the store is vectorized.
+    # ([1, block_cols], in the tile's layout): no layout conversion, and
+    # vector stores once a thread holds 8 bytes or more of the row.
     total = jnp.sum(acc, axis=0, keepdims=True)
     dst = c * width + cols[None, :]
     if mask_cols is None:
