@@ -1,5 +1,14 @@
 """pallas_emb: column-sharded embedding tables for JAX recommenders."""
 
+from pallas_emb.collection import CollectionPlan
+from pallas_emb.collection import CollectionState
+from pallas_emb.collection import EmbeddingCollection
+from pallas_emb.collection import FeatureSpec
+from pallas_emb.collection import Routing
+from pallas_emb.collection import StackPlan
+from pallas_emb.collection import StackRouting
+from pallas_emb.collection import StackState
+from pallas_emb.collection import TableSpec
 from pallas_emb.dedup import dedup
 from pallas_emb.dedup import DedupResult
 from pallas_emb.dedup import default_num_unique
@@ -24,7 +33,7 @@ from pallas_emb.optim import RowwiseAdagrad
 from pallas_emb.optim import RowwiseAdagradState
 from pallas_emb.optim import UpdateStats
 from pallas_emb.pipeline import PipelineState
-from pallas_emb.pipeline import TableSpec
+from pallas_emb.pipeline import StepMetrics
 from pallas_emb.pipeline import Trainer
 from pallas_emb.validation import BACKENDS
 from pallas_emb.validation import check_single_shard_per_rank
@@ -37,18 +46,27 @@ __version__ = "0.1.0"
 __all__ = [
     "BACKENDS",
     "CheckpointError",
+    "CollectionPlan",
+    "CollectionState",
     "DedupResult",
+    "EmbeddingCollection",
     "EmbeddingContext",
     "Error",
     "FILL_VALUE",
+    "FeatureSpec",
     "HyperParameterError",
     "IdOutOfRangeError",
     "InputError",
     "PipelineMisuse",
     "PipelineState",
+    "Routing",
     "RowwiseAdagrad",
     "RowwiseAdagradState",
     "ShardingError",
+    "StackPlan",
+    "StackRouting",
+    "StackState",
+    "StepMetrics",
     "TableSpec",
     "Trainer",
     "UniqueOverflowError",

@@ -15,22 +15,36 @@ from pallas_emb.kernels import common
 from pallas_emb.validation import EmbeddingContext
 
 
+def serve_rows(ctx: EmbeddingContext, backend: str, table: jax.Array,
+               ids_all: jax.Array) -> jax.Array:
+  """Per rank: my columns of the communicator's `[W*T]` ids, exchanged back
+  into my tokens' full rows `[T, emb_width]`."""
+  rows = kernels.gather_rows(table, ids_all, backend=backend)
+  return exchange.exchange_rows(ctx, rows)
+
+
+def dense_table_grad(ctx: EmbeddingContext, table: jax.Array,
+                     ids_all: jax.Array, routed: jax.Array) -> jax.Array:
+  """Per rank: the dense scatter-add of routed `[W*T, S]` gradients into a
+  zero table shard (summed over replicas), in the table's dtype."""
+  rows = common.wrap_and_clamp(ids_all, table.shape[0])
+  dense = jnp.zeros(table.shape, jnp.float32).at[rows].add(
+      routed.astype(jnp.float32))
+  if ctx.replica_axis:
+    dense = jax.lax.psum(dense, ctx.replica_axis)
+  return dense.astype(table.dtype)
+
+
 def _lookup_per_rank(ctx, backend, table, ids):
   ids_all = exchange.all_gather_ids(ctx, ids.reshape(-1))
-  rows = kernels.gather_rows(table, ids_all, backend=backend)
-  return exchange.exchange_rows(ctx, rows).reshape(ids.shape + (-1,))
+  return serve_rows(ctx, backend, table, ids_all).reshape(ids.shape + (-1,))
 
 
 def _dense_grad_per_rank(ctx, table, ids, cotangent):
   ids_all = exchange.all_gather_ids(ctx, ids.reshape(-1))
-  grads = exchange.route_gradients(
+  routed = exchange.route_gradients(
       ctx, cotangent.reshape(ctx.tokens_per_rank, ctx.emb_width))
-  rows = common.wrap_and_clamp(ids_all, table.shape[0])
-  dense = jnp.zeros(table.shape, jnp.float32).at[rows].add(
-      grads.astype(jnp.float32))
-  if ctx.replica_axis:
-    dense = jax.lax.psum(dense, ctx.replica_axis)
-  return dense.astype(table.dtype)
+  return dense_table_grad(ctx, table, ids_all, routed)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))

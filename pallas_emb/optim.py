@@ -57,6 +57,9 @@ class UpdateStats(NamedTuple):
   num_overflow: jax.Array
 
 
+UPDATE_STATS_SPEC = UpdateStats(P(), P(), P(), P())
+
+
 def _finite(x) -> bool:
   return isinstance(x, (int, float)) and not isinstance(x, bool) and \
       math.isfinite(x)
@@ -142,14 +145,58 @@ class RowwiseAdagrad:
            ) -> RowwiseAdagradState:
     """Replicated row state for a `[vocab_rows, emb_width]` table."""
     validation.check_table(ctx, table)
-    vocab_rows = table.shape[0]
-    replicated = exchange.replicated_sharding(ctx)
+    return self.init_state(table.shape[0], exchange.replicated_sharding(ctx))
+
+  def init_state(self, vocab_rows: int, replicated, table_sharding=None
+                 ) -> RowwiseAdagradState:
+    """The state of `vocab_rows` rows: row-wise, so all of it replicated."""
+    del table_sharding  # No element-wise state.
     row_state = jnp.full((vocab_rows,), self.initial_accumulator_value,
                          jnp.float32, device=replicated)
     last_step = (jnp.zeros((vocab_rows,), jnp.int32, device=replicated)
                  if self.lazy else None)
     step = jnp.zeros((), jnp.int32, device=replicated)
     return RowwiseAdagradState(row_state, last_step, step)
+
+  def state_specs(self, table_spec: P) -> RowwiseAdagradState:
+    """The PartitionSpec of each state leaf (row-wise: replicated)."""
+    del table_spec
+    return RowwiseAdagradState(P(), P() if self.lazy else None, P())
+
+  def update_rows(self, table, opt_state: RowwiseAdagradState, unique_tokens,
+                  grad_accum, row_sq, apply, *, emb_width: int, backend: str,
+                  config=None):
+    """The fused update of the rows of `unique_tokens` (per rank).
+
+    `grad_accum` f32 `[U, S]` holds this rank's columns of each unique
+    row's summed gradient, `row_sq` f32 `[U]` the full-width squared norms;
+    nothing changes where `apply` is false.
+    """
+    del config  # Adagrad kernel tile sizes: the kernel's own heuristic.
+    step = opt_state.step
+    table, row_state, last_step = kernels.adagrad_apply(
+        table, opt_state.row_state, opt_state.last_step, unique_tokens,
+        grad_accum, row_sq, apply, step, self.learning_rate_at(step),
+        hparams=self.hparams(emb_width), backend=backend)
+    return table, RowwiseAdagradState(row_state, last_step,
+                                      step + apply.astype(jnp.int32))
+
+  def slice_rows(self, opt_state: RowwiseAdagradState, start: int,
+                 stop: int) -> RowwiseAdagradState:
+    """The state of rows `[start, stop)` (one table of a stack)."""
+    return RowwiseAdagradState(
+        opt_state.row_state[start:stop],
+        None if opt_state.last_step is None
+        else opt_state.last_step[start:stop], opt_state.step)
+
+  def concat_rows(self, states) -> RowwiseAdagradState:
+    """The state of tables stacked in order (inverse of `slice_rows`)."""
+    states = list(states)
+    return RowwiseAdagradState(
+        jnp.concatenate([s.row_state for s in states]),
+        None if not self.lazy else jnp.concatenate(
+            [s.last_step for s in states]),
+        jnp.max(jnp.stack([jnp.asarray(s.step) for s in states])))
 
 
 def _ordered_sum(x: jax.Array, axes) -> jax.Array:
@@ -163,11 +210,14 @@ def _ordered_sum(x: jax.Array, axes) -> jax.Array:
   return jnp.sum(lax.all_gather(x, exchange.axis_name(axes), axis=0), axis=0)
 
 
-def _apply_per_rank(ctx, opt, backend, table, row_state, last_step, step,
-                    grads, segment_ids, unique_tokens, pending, num_overflow):
-  segments = exchange.all_gather_ids(ctx, segment_ids.reshape(-1))
-  routed = exchange.route_gradients(
-      ctx, grads.reshape(ctx.tokens_per_rank, ctx.emb_width))
+def update_from_routed(ctx: EmbeddingContext, opt, backend: str, table,
+                       opt_state, routed, segments, unique_tokens, pending,
+                       num_overflow):
+  """DESIGN §4.2-§4.6 on one rank, once the gradients are routed.
+
+  `routed` `[N, S]` holds this rank's columns of the gradient of every token
+  of the communicator, `segments` `[N]` each token's unique slot (-1: none).
+  """
   grad_accum, row_sq = kernels.segment_sum_rows(
       routed, segments, ctx.num_unique, round_dtype=table.dtype,
       backend=backend)
@@ -179,13 +229,21 @@ def _apply_per_rank(ctx, opt, backend, table, row_state, last_step, step,
     row_sq = _ordered_sum(row_sq, ctx.table_axis)
   norm = jnp.sqrt(row_sq[ctx.num_unique])
   apply = jnp.isfinite(norm) & pending
-  table, row_state, last_step = kernels.adagrad_apply(
-      table, row_state, last_step, unique_tokens, grad_accum,
-      row_sq[:ctx.num_unique], apply, step, opt.learning_rate_at(step),
-      hparams=opt.hparams(ctx.emb_width), backend=backend)
-  valid = apply.astype(jnp.int32)
-  stats = UpdateStats(norm, valid, pending.astype(jnp.int32), num_overflow)
-  return table, RowwiseAdagradState(row_state, last_step, step + valid), stats
+  table, opt_state = opt.update_rows(
+      table, opt_state, unique_tokens, grad_accum, row_sq[:ctx.num_unique],
+      apply, emb_width=ctx.emb_width, backend=backend)
+  stats = UpdateStats(norm, apply.astype(jnp.int32),
+                      pending.astype(jnp.int32), num_overflow)
+  return table, opt_state, stats
+
+
+def _apply_per_rank(ctx, opt, backend, table, opt_state, grads, segment_ids,
+                    unique_tokens, pending, num_overflow):
+  segments = exchange.all_gather_ids(ctx, segment_ids.reshape(-1))
+  routed = exchange.route_gradients(
+      ctx, grads.reshape(ctx.tokens_per_rank, ctx.emb_width))
+  return update_from_routed(ctx, opt, backend, table, opt_state, routed,
+                            segments, unique_tokens, pending, num_overflow)
 
 
 def apply_gradients(ctx: EmbeddingContext, opt: RowwiseAdagrad,
@@ -217,19 +275,16 @@ def apply_gradients(ctx: EmbeddingContext, opt: RowwiseAdagrad,
   table = exchange.place_table(ctx, table)
   emb_grads = exchange.place_tokens(ctx, emb_grads)
   tokens = exchange.token_spec(ctx)
-  state_spec = RowwiseAdagradState(
-      P(), None if opt_state.last_step is None else P(), P())
+  state_spec = opt.state_specs(exchange.table_spec(ctx))
   fn = functools.partial(_apply_per_rank, ctx, opt, backend)
-  table, opt_state, stats = exchange.shard(
+  return exchange.shard(
       ctx, fn,
-      in_specs=(exchange.table_spec(ctx), P(), state_spec.last_step, P(),
-                tokens, tokens, P(), P(), P()),
-      out_specs=(exchange.table_spec(ctx), state_spec,
-                 UpdateStats(P(), P(), P(), P())),
-  )(table, opt_state.row_state, opt_state.last_step, opt_state.step,
-    emb_grads, dedup_result.segment_ids, dedup_result.unique_tokens,
-    jnp.asarray(pending, bool), dedup_result.num_overflow)
-  return table, opt_state, stats
+      in_specs=(exchange.table_spec(ctx), state_spec, tokens, tokens, P(),
+                P(), P()),
+      out_specs=(exchange.table_spec(ctx), state_spec, UPDATE_STATS_SPEC),
+  )(table, opt_state, emb_grads, dedup_result.segment_ids,
+    dedup_result.unique_tokens, jnp.asarray(pending, bool),
+    dedup_result.num_overflow)
 
 
 def _check_state(ctx, opt, table, opt_state) -> None:

@@ -1,0 +1,891 @@
+"""Many tables and features over one exchange per stack (DESIGN §10).
+
+    tables = [pe.TableSpec("items", 10_000_000, 64, optimizer=opt),
+              pe.TableSpec("genre", 32, 16, optimizer=opt)]
+    features = [pe.FeatureSpec("item_id", table="items"),     # [B]    -> [B, D]
+                pe.FeatureSpec("history", table="items"),     # [B, L] -> [B, L, D]
+                pe.FeatureSpec("genres", table="genre")]
+    coll = pe.EmbeddingCollection(tables, features, mesh, table_axis="x")
+    state = coll.init(jax.random.key(0))
+    emb = coll.lookup(state, batch)                 # {feature: embeddings}
+    state, stats = coll.apply_gradients(state, batch, emb_grads)
+
+Tables with the same (emb_width, dtype, optimizer) are *stacked*: stored as
+one column-sharded array, each table at a row offset. Every feature of a
+stack goes through one id all-gather, one gather kernel, one all-to-all, and
+one dedup + segment-sum + update per step. An id is wrapped and clamped
+inside its own table before the offset is added, so it never reaches
+another table of its stack.
+
+Per call, everything about the batch's shapes (batch size, sequence
+lengths, how many ids each stack carries) is read from the ids and checked
+before tracing; the plan (which table is in which stack, where) is fixed at
+construction and printable (`coll.plan`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import zlib
+from typing import Any, Callable, Mapping, NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from pallas_emb import exchange
+from pallas_emb import kernels
+from pallas_emb import optim
+from pallas_emb import validation
+from pallas_emb.errors import InputError
+from pallas_emb.dedup import FILL_VALUE
+from pallas_emb.dedup import unique_and_segments
+from pallas_emb.errors import UniqueOverflowError
+from pallas_emb.lookup import dense_table_grad
+from pallas_emb.lookup import serve_rows
+from pallas_emb.validation import EmbeddingContext
+
+Initializer = Callable[..., jax.Array]
+
+# flax.linen.Embed's default: variance_scaling(1.0, "fan_in", "normal",
+# out_axis=0), i.e. N(0, 1 / emb_width) rows.
+default_initializer = jax.nn.initializers.variance_scaling(
+    1.0, "fan_in", "normal", out_axis=0)
+
+COMBINERS = ("sum", "mean", "sqrtn")
+MAX_INT32 = np.iinfo(np.int32).max
+
+
+def _name_ok(name) -> bool:
+  return isinstance(name, str) and bool(name)
+
+
+@dataclasses.dataclass(frozen=True)
+class TableSpec:
+  """One logical embedding table `[vocab_rows, emb_width]`.
+
+  Attributes:
+    name: unique name; features refer to it, checkpoints store it.
+    vocab_rows: rows (ids `[-vocab_rows, vocab_rows)` are wrapped once,
+      then clamped into the table).
+    emb_width: columns; must divide evenly over the communicator.
+    optimizer: the sparse optimizer of its rows (e.g. `pe.RowwiseAdagrad`).
+    dtype: float32 or bfloat16.
+    initializer: `(key, shape, dtype) -> array`; default nn.Embed's.
+    padding_id: an id that is looked up but never trains (None: none).
+    max_unique: cap on the distinct rows of one batch this table may use in
+      its stack's unique buffer (default: never overflows); a batch over
+      the cap raises `UniqueOverflowError` when its stats are checked.
+  """
+  name: str
+  vocab_rows: int
+  emb_width: int
+  _: dataclasses.KW_ONLY
+  optimizer: Any
+  dtype: Any = jnp.float32
+  initializer: Initializer = default_initializer
+  padding_id: int | None = None
+  max_unique: int | None = None
+
+  def __post_init__(self):
+    if not _name_ok(self.name):
+      raise InputError(f"pallas_emb TableSpec name={self.name!r} must be a "
+                       "non-empty string.")
+    what = f"TableSpec {self.name!r}"
+    for field in ("vocab_rows", "emb_width"):
+      validation.check_positive(f"{what} {field}", getattr(self, field))
+    if self.vocab_rows > MAX_INT32:
+      raise InputError(
+          f"pallas_emb {what} vocab_rows={self.vocab_rows} exceeds int32 "
+          "ids; split the table or hash ids into a smaller range.")
+    try:
+      dtype = np.dtype(self.dtype)
+    except TypeError as e:
+      raise InputError(f"pallas_emb {what} dtype={self.dtype!r} is not a "
+                       "dtype; use jnp.float32 or jnp.bfloat16.") from e
+    if dtype.name not in validation.TABLE_DTYPES:
+      raise InputError(f"pallas_emb {what} dtype={dtype.name}; expected one "
+                       f"of {validation.TABLE_DTYPES}.")
+    object.__setattr__(self, "dtype", dtype)
+    if not hasattr(self.optimizer, "update_rows"):
+      raise InputError(
+          f"pallas_emb {what} optimizer={self.optimizer!r} is not a sparse "
+          "optimizer; pass one such as pallas_emb.RowwiseAdagrad(0.05).")
+    if not callable(self.initializer):
+      raise InputError(f"pallas_emb {what} initializer must be callable "
+                       "(key, shape, dtype) -> array.")
+    validation.check_padding_id(self.padding_id)
+    if self.max_unique is not None:
+      validation.check_positive(f"{what} max_unique", self.max_unique)
+
+  @property
+  def stack_key(self):
+    """Tables with equal keys share one physical array."""
+    return (self.emb_width, self.dtype.name, self.optimizer)
+
+
+@dataclasses.dataclass(frozen=True)
+class FeatureSpec:
+  """One sparse input feature read from `batch[name]`.
+
+  Attributes:
+    name: the batch key of its ids and the key of its embeddings.
+    table: the name of the table its ids index.
+    combiner: None for a sequence feature (ids of any shape `[B, ...]` give
+      `[B, ..., D]`); "sum", "mean" or "sqrtn" pools a bag `[B, L]` into
+      `[B, D]`.
+    weighted: a pooled feature with per-id weights
+      (`batch[name + "_weights"]`).
+  """
+  name: str
+  table: str
+  _: dataclasses.KW_ONLY
+  combiner: str | None = None
+  weighted: bool = False
+
+  def __post_init__(self):
+    if not _name_ok(self.name):
+      raise InputError(f"pallas_emb FeatureSpec name={self.name!r} must be "
+                       "a non-empty string.")
+    if not _name_ok(self.table):
+      raise InputError(f"pallas_emb FeatureSpec {self.name!r} table="
+                       f"{self.table!r} must name a TableSpec.")
+    if self.combiner is not None:
+      raise NotImplementedError(
+          f"pallas_emb FeatureSpec {self.name!r}: pooled features "
+          "(combiner=...) are not implemented yet.")
+    if self.weighted:
+      raise InputError(f"pallas_emb FeatureSpec {self.name!r} weighted=True "
+                       "needs a combiner ('sum', 'mean' or 'sqrtn').")
+
+
+@dataclasses.dataclass(frozen=True)
+class StackPlan:
+  """Tables stored together as one `[total_rows, emb_width]` array."""
+  name: str
+  tables: tuple[str, ...]
+  row_offsets: tuple[int, ...]
+  vocab_rows: tuple[int, ...]
+  emb_width: int
+  dtype: np.dtype
+  optimizer: Any
+  features: tuple[str, ...]
+
+  @property
+  def total_rows(self) -> int:
+    return sum(self.vocab_rows)
+
+
+@dataclasses.dataclass(frozen=True)
+class CollectionPlan:
+  """Which table is stored in which stack, at which row offset."""
+  stacks: tuple[StackPlan, ...]
+
+  def stack_of(self, table: str) -> tuple[StackPlan, int]:
+    """The stack holding `table` and the table's index in it."""
+    for stack in self.stacks:
+      if table in stack.tables:
+        return stack, stack.tables.index(table)
+    raise KeyError(table)
+
+  def __str__(self) -> str:
+    lines = []
+    for s in self.stacks:
+      lines.append(
+          f"{s.name}: [{s.total_rows}, {s.emb_width}] {s.dtype.name}, "
+          f"{type(s.optimizer).__name__}, features {list(s.features)}")
+      for table, offset, rows in zip(s.tables, s.row_offsets, s.vocab_rows):
+        lines.append(f"  {table}: rows [{offset}, {offset + rows})")
+    return "\n".join(lines)
+
+
+def _make_plan(tables: Sequence[TableSpec],
+               features: Sequence[FeatureSpec]) -> CollectionPlan:
+  groups: dict[Any, list[TableSpec]] = {}
+  for table in tables:
+    groups.setdefault(table.stack_key, []).append(table)
+  stacks = []
+  for i, members in enumerate(groups.values()):
+    names = tuple(t.name for t in members)
+    rows = tuple(t.vocab_rows for t in members)
+    if sum(rows) > MAX_INT32:
+      raise InputError(
+          f"pallas_emb tables {list(names)} stack into {sum(rows)} rows, "
+          "more than int32 row ids address; give one of them another "
+          "width, dtype or optimizer so it is stored apart.")
+    offsets = tuple(int(o) for o in np.cumsum((0,) + rows[:-1]))
+    stacks.append(StackPlan(
+        name=f"stack{i}", tables=names, row_offsets=offsets, vocab_rows=rows,
+        emb_width=members[0].emb_width, dtype=members[0].dtype,
+        optimizer=members[0].optimizer,
+        features=tuple(f.name for f in features if f.table in names)))
+  return CollectionPlan(tuple(stacks))
+
+
+class StackState(NamedTuple):
+  """The physical array of one stack and its optimizer state."""
+  table: jax.Array
+  opt_state: Any
+
+
+class CollectionState(NamedTuple):
+  """Everything a collection trains: stack name -> StackState."""
+  stacks: dict[str, StackState]
+
+
+class StackRouting(NamedTuple):
+  """How one batch's ids of a stack map onto unique rows.
+
+  unique_tokens: int32 `[U]` sorted unique stacked rows, FILL_VALUE padded;
+    replicated.
+  segments: int32, per rank `[W * T]`: the unique slot of every id of the
+    communicator (the all-gathered order), -1 for none; laid out over the
+    token axes.
+  num_distinct, num_overflow: int32 scalars (see `dedup`).
+  """
+  unique_tokens: jax.Array
+  segments: jax.Array
+  num_distinct: jax.Array
+  num_overflow: jax.Array
+
+
+@functools.partial(jax.tree_util.register_dataclass,
+                   data_fields=["stacks"], meta_fields=["shapes"])
+@dataclasses.dataclass(frozen=True)
+class Routing:
+  """A looked-up batch's routing, kept for its update (one per stack).
+
+  `shapes` (static) are the ids' shapes per feature, so the update knows
+  the batch layout without the batch.
+  """
+  stacks: dict[str, StackRouting]
+  shapes: tuple[tuple[str, tuple[int, ...]], ...]
+
+
+# --- per-call layout ---------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class _FeatureCall:
+  """A feature's part of a stack in one call (static)."""
+  name: str
+  row_offset: int
+  vocab_rows: int
+  padding_id: int | None
+  shape: tuple[int, ...]  # global ids shape
+  local_size: int         # ids per rank
+
+
+@dataclasses.dataclass(frozen=True)
+class _StackCall:
+  """A stack in one call: its layout as an EmbeddingContext (static)."""
+  plan: StackPlan
+  ctx: EmbeddingContext
+  features: tuple[_FeatureCall, ...]
+
+
+class EmbeddingCollection:
+  """Tables and features sharing one exchange per stack (DESIGN §10).
+
+  Args:
+    tables: the `TableSpec`s (unique names).
+    features: the `FeatureSpec`s (unique names; several may share a table,
+      every table is read by at least one).
+    mesh: the device mesh.
+    table_axis: mesh axis name(s) of the communicator (columns are sharded
+      over them).
+    data_axis: mesh axis name(s) the batch is sharded over (default:
+      table_axis).
+    replica_axis: mesh axis name(s) over which whole copies of the tables
+      are kept (the batch is sharded over replica_axis + data_axis).
+    backend: "pallas", "interpret", "xla" or None (pallas on GPU, else xla).
+
+  Layout rules 1-3 and 5 of DESIGN §2 are checked here; rule 4 (the batch
+  shards evenly) at each call, naming the feature.
+  """
+
+  def __init__(self, tables: Sequence[TableSpec],
+               features: Sequence[FeatureSpec], mesh: jax.sharding.Mesh,
+               table_axis: str | Sequence[str], *,
+               data_axis: str | Sequence[str] | None = None,
+               replica_axis: str | Sequence[str] = (),
+               backend: str | None = None):
+    tables, features = tuple(tables), tuple(features)
+    self.table_axis, self.data_axis, self.replica_axis = (
+        validation.check_layout(mesh, table_axis, data_axis, replica_axis,
+                                "EmbeddingCollection"))
+    self.mesh = mesh
+    self.group_size = validation.axes_size(mesh, self.table_axis)
+    self.num_replicas = validation.axes_size(mesh, self.replica_axis)
+    self.backend = validation.resolve_backend(mesh, backend)
+    _check_specs(tables, features)
+    for table in tables:
+      validation.check_width_shards(table.emb_width, self.group_size,
+                                    f"table {table.name!r}")
+    self.tables = {t.name: t for t in tables}
+    self.features = {f.name: f for f in features}
+    self.plan = _make_plan(tables, features)
+    self._calls_cache = {}
+
+  # --- layout ---------------------------------------------------------------
+
+  @property
+  def token_axes(self) -> tuple[str, ...]:
+    return self.replica_axis + self.data_axis
+
+  def table_sharding(self) -> NamedSharding:
+    """Rows replicated, columns over the communicator."""
+    return NamedSharding(self.mesh, P(None, self.table_axis))
+
+  def token_sharding(self) -> NamedSharding:
+    """The leading (batch) dimension over the token axes."""
+    return NamedSharding(self.mesh, P(self.token_axes))
+
+  def _table_spec(self) -> P:
+    return P(None, self.table_axis)
+
+  def _token_spec(self) -> P:
+    return P(self.token_axes)
+
+  def _state_specs(self) -> CollectionState:
+    return CollectionState({
+        s.name: StackState(self._table_spec(),
+                           s.optimizer.state_specs(self._table_spec()))
+        for s in self.plan.stacks})
+
+  # --- state ----------------------------------------------------------------
+
+  def init(self, key: jax.Array) -> CollectionState:
+    """Tables (each from its initializer) and optimizer states, sharded.
+
+    Each table's values depend only on `key` and its name, so adding a
+    table or restacking does not change the others.
+    """
+    return self.state_from_stacks(
+        {s.name: self.init_stack(key, s.name) for s in self.plan.stacks})
+
+  def init_stack(self, key: jax.Array, stack_name: str) -> jax.Array:
+    """One stack's physical table, each of its tables from its initializer."""
+    (stack,) = [s for s in self.plan.stacks if s.name == stack_name]
+
+    def init(key):
+      parts = []
+      for name in stack.tables:
+        spec = self.tables[name]
+        table_key = jax.random.fold_in(key, zlib.crc32(name.encode()))
+        parts.append(spec.initializer(
+            table_key, (spec.vocab_rows, spec.emb_width),
+            spec.dtype).astype(spec.dtype))
+      return jnp.concatenate(parts) if len(parts) > 1 else parts[0]
+
+    return jax.jit(init, out_shardings=self.table_sharding())(key)
+
+  def state_from_stacks(self, tables: Mapping[str, jax.Array]
+                        ) -> CollectionState:
+    """A state from physical stack tables, with fresh optimizer state."""
+    stacks = {s.name: s for s in self.plan.stacks}
+    if set(tables) != set(stacks):
+      raise InputError(
+          f"pallas_emb collection stack tables {sorted(tables)}; expected "
+          f"exactly the stacks {sorted(stacks)} of coll.plan.")
+    replicated = NamedSharding(self.mesh, P())
+    return CollectionState({
+        name: StackState(
+            tables[name], stack.optimizer.init_state(
+                stack.total_rows, replicated, self.table_sharding()))
+        for name, stack in stacks.items()})
+
+  def state_from_arrays(self, tables: Mapping[str, jax.Array],
+                        opt_states: Mapping[str, Any] | None = None
+                        ) -> CollectionState:
+    """A state from logical tables (and their optimizer states, else fresh).
+
+    The inverse of `table_arrays` / `optimizer_arrays`; what a checkpoint of
+    another stacking, rank count or mesh restores through.
+    """
+    _check_names(tables, self.tables, "tables")
+    if opt_states is not None:
+      _check_names(opt_states, self.tables, "opt_states")
+    replicated = NamedSharding(self.mesh, P())
+    stacks = {}
+    for stack in self.plan.stacks:
+      arrays = []
+      for name in stack.tables:
+        spec = self.tables[name]
+        array = tables[name]
+        validation.check_table_array(array, spec.emb_width,
+                                     f"tables[{name!r}]")
+        if (array.shape[0] != spec.vocab_rows or
+            np.dtype(array.dtype) != spec.dtype):
+          raise InputError(
+              f"pallas_emb tables[{name!r}] is {np.dtype(array.dtype).name}"
+              f"{list(array.shape)}; its TableSpec says {spec.dtype.name}"
+              f"[{spec.vocab_rows}, {spec.emb_width}].")
+        arrays.append(array)
+      table = _concat_rows(arrays, self.table_sharding())
+      opt = stack.optimizer
+      if opt_states is None:
+        opt_state = opt.init_state(stack.total_rows, replicated,
+                                   self.table_sharding())
+      else:
+        opt_state = opt.concat_rows([opt_states[n] for n in stack.tables])
+      stacks[stack.name] = StackState(table, opt_state)
+    return CollectionState(stacks)
+
+  def table_arrays(self, state: CollectionState) -> dict[str, jax.Array]:
+    """`{table name: [vocab_rows, emb_width]}`, column-sharded."""
+    _check_state(self, state)
+    out = {}
+    for name in self.tables:
+      stack, i = self.plan.stack_of(name)
+      start = stack.row_offsets[i]
+      out[name] = state.stacks[stack.name].table[
+          start:start + stack.vocab_rows[i]]
+    return out
+
+  def optimizer_arrays(self, state: CollectionState) -> dict[str, Any]:
+    """`{table name: optimizer state of its rows}`."""
+    out = {}
+    for name in self.tables:
+      stack, i = self.plan.stack_of(name)
+      start = stack.row_offsets[i]
+      out[name] = stack.optimizer.slice_rows(
+          state.stacks[stack.name].opt_state, start,
+          start + stack.vocab_rows[i])
+    return out
+
+  # --- per-call checks ----------------------------------------------------------
+
+  def _ids(self, batch: Mapping[str, Any]) -> dict[str, jax.Array]:
+    """Every feature's ids, converted and checked (before tracing)."""
+    if not isinstance(batch, Mapping):
+      raise InputError(
+          f"pallas_emb collection batch is a {type(batch).__name__}; "
+          "expected a dict {feature name: ids}.")
+    missing = [f for f in self.features if f not in batch]
+    if missing:
+      raise InputError(
+          f"pallas_emb collection batch has no ids for features {missing}; "
+          f"it has keys {sorted(batch)}. Give every feature's ids.")
+    ids = {}
+    for name in self.features:
+      value = validation.as_ids(batch[name], f"batch[{name!r}]")
+      validation.check_leading_dim(value.shape, self.group_size,
+                                   self.num_replicas,
+                                   f"batch[{name!r}]")
+      ids[name] = value
+    return ids
+
+  def _calls(self, shapes: tuple[tuple[str, tuple[int, ...]], ...]
+             ) -> tuple[_StackCall, ...]:
+    """The per-stack layout of a batch with these ids shapes (cached)."""
+    if shapes not in self._calls_cache:
+      self._calls_cache[shapes] = self._make_calls(dict(shapes))
+    return self._calls_cache[shapes]
+
+  def _make_calls(self, shapes) -> tuple[_StackCall, ...]:
+    shards = self.group_size * self.num_replicas
+    calls = []
+    for stack in self.plan.stacks:
+      feats, bounds = [], {}
+      for name in stack.features:
+        spec = self.features[name]
+        i = stack.tables.index(spec.table)
+        table = self.tables[spec.table]
+        size = math.prod(shapes[name])
+        feats.append(_FeatureCall(
+            name=name, row_offset=stack.row_offsets[i],
+            vocab_rows=table.vocab_rows, padding_id=table.padding_id,
+            shape=tuple(shapes[name]), local_size=size // shards))
+        bounds[table.name] = bounds.get(table.name, 0) + size
+      # A table's distinct rows in one batch are at most its ids and its
+      # rows (padding takes no slot): their sum never overflows; a table's
+      # max_unique caps its share.
+      num_unique = max(1, sum(
+          min(count, self.tables[t].vocab_rows,
+              self.tables[t].max_unique or count)
+          for t, count in bounds.items()))
+      tokens = sum(f.local_size for f in feats) * shards
+      ctx = EmbeddingContext(
+          mesh=self.mesh, table_axis=self.table_axis,
+          data_axis=self.data_axis, group_size=self.group_size,
+          tokens_per_batch=tokens, tokens_per_rank=tokens // shards,
+          emb_width=stack.emb_width,
+          shard_width=stack.emb_width // self.group_size,
+          num_unique=num_unique, num_devices_per_node=jax.local_device_count(),
+          replica_axis=self.replica_axis, padding_id=None)
+      _check_offsets(ctx, stack)
+      calls.append(_StackCall(stack, ctx, tuple(feats)))
+    return tuple(calls)
+
+  def _shapes(self, ids: Mapping[str, jax.Array]):
+    return tuple((name, tuple(ids[name].shape)) for name in self.features)
+
+  def _placed(self, values: Mapping[str, jax.Array]) -> tuple[jax.Array, ...]:
+    return tuple(exchange.place(values[name], self.token_sharding())
+                 for name in self.features)
+
+  def _tables(self, state: CollectionState) -> tuple[jax.Array, ...]:
+    _check_state(self, state)
+    return tuple(exchange.place(state.stacks[s.name].table,
+                                self.table_sharding())
+                 if not validation.is_committed(state.stacks[s.name].table)
+                 else state.stacks[s.name].table
+                 for s in self.plan.stacks)
+
+  # --- lookup ---------------------------------------------------------------
+
+  def lookup(self, state: CollectionState, batch: Mapping[str, Any]
+             ) -> dict[str, jax.Array]:
+    """`{feature: embeddings}`, each `ids.shape + (emb_width,)`.
+
+    Differentiable w.r.t. the state's tables: the cotangent is the dense
+    scatter-add (right for plain `jax.grad` + optax, O(rows) memory);
+    `apply_gradients` is the sparse path.
+    """
+    ids = self._ids(batch)
+    calls = self._calls(self._shapes(ids))
+    outs = _collection_lookup(self, calls, self._tables(state),
+                              self._placed(ids))
+    return dict(zip(self.features, outs))
+
+  def lookup_and_route(self, state: CollectionState, batch
+                       ) -> tuple[dict[str, jax.Array], Routing]:
+    """The embeddings and the routing their update needs, from one all-gather
+    of the ids per stack (what the `Trainer` calls)."""
+    ids = self._ids(batch)
+    shapes = self._shapes(ids)
+    calls = self._calls(shapes)
+    fn = functools.partial(_lookup_per_rank, self.backend,
+                           tuple(self.features), calls, route=True)
+    outs, routings = exchange.shard(
+        calls[0].ctx, fn,
+        in_specs=(self._table_specs(), self._feature_specs()),
+        out_specs=(self._feature_specs(), self._routing_specs()),
+    )(self._tables(state), self._placed(ids))
+    return (dict(zip(self.features, outs)),
+            Routing(dict(zip((s.name for s in self.plan.stacks), routings)),
+                    shapes))
+
+  def route(self, batch) -> Routing:
+    """The routing of a batch alone (its ids' all-gather and dedup)."""
+    ids = self._ids(batch)
+    shapes = self._shapes(ids)
+    calls = self._calls(shapes)
+    fn = functools.partial(_route_per_rank, tuple(self.features), calls)
+    routings = exchange.shard(
+        calls[0].ctx, fn, in_specs=(self._feature_specs(),),
+        out_specs=self._routing_specs())(self._placed(ids))
+    return Routing(dict(zip((s.name for s in self.plan.stacks), routings)),
+                   shapes)
+
+  def _table_specs(self):
+    return tuple(self._table_spec() for _ in self.plan.stacks)
+
+  def _feature_specs(self):
+    return tuple(self._token_spec() for _ in self.features)
+
+  def _routing_specs(self):
+    return tuple(StackRouting(P(), self._token_spec(), P(), P())
+                 for _ in self.plan.stacks)
+
+  # --- update ---------------------------------------------------------------
+
+  def apply_gradients(self, state: CollectionState, batch_or_routing,
+                      emb_grads: Mapping[str, jax.Array], *,
+                      pending: bool | jax.Array = True):
+    """The fused sparse update of every stack from one batch's gradients.
+
+    Args:
+      state: the collection state (donate it to the jitted caller).
+      batch_or_routing: the batch that was looked up, or the `Routing`
+        `lookup_and_route` returned for it (saves the ids' all-gather).
+      emb_grads: `{feature: gradient w.r.t. its embeddings}`.
+      pending: apply (True) or skip (False); may be traced.
+
+    Returns:
+      `(state, {stack name: UpdateStats})`; check the stats with
+      `raise_if_overflow` outside jit.
+    """
+    _check_state(self, state)
+    routing = (batch_or_routing if isinstance(batch_or_routing, Routing)
+               else self.route(batch_or_routing))
+    calls = self._calls(routing.shapes)
+    grads = self._grads(emb_grads, dict(routing.shapes))
+    specs = self._state_specs()
+    fn = functools.partial(_apply_per_rank, self.backend,
+                           tuple(self.features), calls)
+    stack_states = tuple(state.stacks[s.name] for s in self.plan.stacks)
+    new_states, stats = exchange.shard(
+        calls[0].ctx, fn,
+        in_specs=(tuple(specs.stacks[s.name] for s in self.plan.stacks),
+                  self._routing_specs(), self._feature_specs(), P()),
+        out_specs=(tuple(specs.stacks[s.name] for s in self.plan.stacks),
+                   tuple(optim.UPDATE_STATS_SPEC for _ in self.plan.stacks)),
+    )(stack_states, tuple(routing.stacks[s.name] for s in self.plan.stacks),
+      self._placed(grads), jnp.asarray(pending, bool))
+    names = [s.name for s in self.plan.stacks]
+    return (CollectionState(dict(zip(names, new_states))),
+            dict(zip(names, stats)))
+
+  def _grads(self, emb_grads, shapes) -> dict[str, jax.Array]:
+    if not isinstance(emb_grads, Mapping):
+      raise InputError(
+          f"pallas_emb collection emb_grads is a {type(emb_grads).__name__}; "
+          "expected a dict {feature name: gradient}.")
+    missing = [f for f in self.features if f not in emb_grads]
+    if missing:
+      raise InputError(
+          f"pallas_emb collection emb_grads has no gradient for features "
+          f"{missing}; give every feature's (zeros for unused ones).")
+    out = {}
+    for name, spec in self.features.items():
+      width = self.tables[spec.table].emb_width
+      validation.check_grads_array(emb_grads[name],
+                                   tuple(shapes[name]) + (width,),
+                                   f"emb_grads[{name!r}]")
+      out[name] = emb_grads[name]
+    return out
+
+  def raise_if_overflow(self, stats: Mapping[str, optim.UpdateStats]) -> None:
+    """Host-side: raises if a stack's batch had more distinct rows than its
+    unique buffer (only possible with `TableSpec.max_unique`)."""
+    for stack in self.plan.stacks:
+      overflow = int(jax.device_get(stats[stack.name].num_overflow))
+      if overflow:
+        raise UniqueOverflowError(
+            f"pallas_emb {stack.name} (tables {list(stack.tables)}) had "
+            f"{overflow} more distinct ids in one batch than its unique "
+            "buffer holds; their gradients were not applied. Raise or drop "
+            "max_unique of these tables.")
+
+
+def _check_offsets(ctx: EmbeddingContext, stack: StackPlan) -> None:
+  """Flat offsets of the stack's per-rank arrays fit int32 (before tracing)."""
+  for what, size in (("table shard", stack.total_rows * ctx.shard_width),
+                     ("gathered rows", ctx.group_size * ctx.tokens_per_rank
+                      * ctx.shard_width)):
+    if size > MAX_INT32:
+      raise InputError(
+          f"pallas_emb {stack.name} {what} has {size} elements per rank, "
+          "more than int32 offsets address; shard over more ranks or use "
+          "smaller batches.")
+
+
+def _check_specs(tables, features) -> None:
+  for kind, specs, cls in (("tables", tables, TableSpec),
+                           ("features", features, FeatureSpec)):
+    if not specs:
+      raise InputError(f"pallas_emb EmbeddingCollection needs at least one "
+                       f"of {kind}.")
+    for spec in specs:
+      if not isinstance(spec, cls):
+        raise InputError(
+            f"pallas_emb EmbeddingCollection {kind} holds a "
+            f"{type(spec).__name__}; expected pallas_emb.{cls.__name__}.")
+    names = [s.name for s in specs]
+    dupes = sorted({n for n in names if names.count(n) > 1})
+    if dupes:
+      raise InputError(f"pallas_emb EmbeddingCollection {kind} names "
+                       f"{dupes} more than once; names must be unique.")
+  table_names = {t.name for t in tables}
+  for f in features:
+    if f.table not in table_names:
+      raise InputError(
+          f"pallas_emb FeatureSpec {f.name!r} reads table {f.table!r}, which "
+          f"is not among the tables {sorted(table_names)}.")
+  unread = sorted(table_names - {f.table for f in features})
+  if unread:
+    raise InputError(
+        f"pallas_emb EmbeddingCollection tables {unread} are read by no "
+        "feature; add a FeatureSpec for each, or drop them.")
+
+
+def _check_names(mapping, expected, what) -> None:
+  if set(mapping) != set(expected):
+    raise InputError(
+        f"pallas_emb collection {what} has {sorted(mapping)}; expected "
+        f"exactly the tables {sorted(expected)}.")
+
+
+def _check_state(coll: EmbeddingCollection, state) -> None:
+  if not isinstance(state, CollectionState):
+    raise InputError(
+        f"pallas_emb collection state is a {type(state).__name__}; expected "
+        "the CollectionState that coll.init(key) returns.")
+  expected = sorted(s.name for s in coll.plan.stacks)
+  if sorted(state.stacks) != expected:
+    raise InputError(
+        f"pallas_emb collection state has stacks {sorted(state.stacks)}; "
+        f"this collection's plan has {expected} (a state of another "
+        "collection? restore it through table_arrays/state_from_arrays).")
+  for stack in coll.plan.stacks:
+    table = state.stacks[stack.name].table
+    shape = (stack.total_rows, stack.emb_width)
+    if tuple(table.shape) != shape or np.dtype(table.dtype) != stack.dtype:
+      raise InputError(
+          f"pallas_emb collection state {stack.name} table is "
+          f"{np.dtype(table.dtype).name}{list(table.shape)}; the plan says "
+          f"{stack.dtype.name}{list(shape)}.")
+
+
+def _concat_rows(arrays, sharding) -> jax.Array:
+  if len(arrays) == 1:
+    return jax.device_put(arrays[0], sharding)
+  return jax.jit(lambda *a: jnp.concatenate(a, axis=0),
+                 out_shardings=sharding)(*arrays)
+
+
+# --- per rank ------------------------------------------------------------------
+
+
+def _local_keys(call: _StackCall, ids: Sequence[jax.Array]) -> jax.Array:
+  """This rank's ids of a stack as stacked rows, `[T]` int32.
+
+  A key `k >= 0` is a row that is looked up and updated; `k < 0` encodes
+  the row `~k` that is looked up (clamped) but gets no gradient (padding,
+  or outside its table after one wrap). One all-gather carries both.
+  """
+  parts = []
+  for feature, x in zip(call.features, ids):
+    x = x.reshape(-1)
+    wrapped = jnp.where(x < 0, x + feature.vocab_rows, x)
+    row = feature.row_offset + jnp.clip(wrapped, 0, feature.vocab_rows - 1)
+    trains = (wrapped >= 0) & (wrapped < feature.vocab_rows)
+    if feature.padding_id is not None:
+      trains &= x != feature.padding_id
+    parts.append(jnp.where(trains, row, ~row))
+  return jnp.concatenate(parts) if len(parts) > 1 else parts[0]
+
+
+def _by_stack(order, calls, values):
+  """Per-feature values (in collection order) grouped per stack."""
+  by_name = dict(zip(order, values))
+  return [[by_name[f.name] for f in call.features] for call in calls]
+
+
+def _split(call: _StackCall, rows: jax.Array) -> list[jax.Array]:
+  """This rank's `[T, D]` rows of a stack -> one array per feature."""
+  shards = call.ctx.group_size * call.ctx.num_replicas
+  out, start = [], 0
+  for feature in call.features:
+    local_shape = (feature.shape[0] // shards,) + feature.shape[1:]
+    out.append(rows[start:start + feature.local_size].reshape(
+        local_shape + rows.shape[-1:]))
+    start += feature.local_size
+  return out
+
+
+def _concat_grads(call: _StackCall, grads) -> jax.Array:
+  """This rank's per-feature gradients of a stack -> `[T, D]`."""
+  flat = [g.reshape(-1, g.shape[-1]) for g in grads]
+  return jnp.concatenate(flat) if len(flat) > 1 else flat[0]
+
+
+def _gathered_keys(call: _StackCall, ids) -> jax.Array:
+  return exchange.all_gather_ids(call.ctx, _local_keys(call, ids))
+
+
+def _rows_of(keys_all: jax.Array) -> jax.Array:
+  """The row each key looks up (see `_local_keys`)."""
+  return jnp.where(keys_all < 0, ~keys_all, keys_all)
+
+
+def _routing(call: _StackCall, keys_all) -> StackRouting:
+  """Dedup of the communicator's keys (global over replicas)."""
+  ctx = call.ctx
+  keys = jnp.where(keys_all < 0, FILL_VALUE, keys_all)
+  if ctx.replica_axis:
+    keys = lax.all_gather(keys, exchange.axis_name(ctx.replica_axis),
+                          axis=0, tiled=True)
+  unique, segments, distinct, overflow = unique_and_segments(
+      keys, ctx.num_unique)
+  if ctx.replica_axis:
+    n = keys_all.shape[0]
+    replica = lax.axis_index(exchange.axis_name(ctx.replica_axis))
+    segments = lax.dynamic_slice_in_dim(segments, replica * n, n)
+  return StackRouting(unique, segments, distinct, overflow)
+
+
+def _lookup_per_rank(backend, order, calls, tables, all_ids, route):
+  """Embeddings of every feature (collection order) [+ each stack's routing]."""
+  outs, routings = {}, []
+  for call, table, ids in zip(calls, tables, _by_stack(order, calls,
+                                                         all_ids)):
+    keys_all = _gathered_keys(call, ids)
+    served = serve_rows(call.ctx, backend, table,
+                                   _rows_of(keys_all))
+    for feature, emb in zip(call.features, _split(call, served)):
+      outs[feature.name] = emb
+    if route:
+      routings.append(_routing(call, keys_all))
+  embeddings = tuple(outs[name] for name in order)
+  return (embeddings, tuple(routings)) if route else embeddings
+
+
+def _route_per_rank(order, calls, all_ids):
+  return tuple(_routing(call, _gathered_keys(call, ids))
+               for call, ids in zip(calls, _by_stack(order, calls, all_ids)))
+
+
+def _apply_per_rank(backend, order, calls, states, routings, all_grads,
+                    pending):
+  new_states, stats = [], []
+  for call, state, routing, grads in zip(
+      calls, states, routings, _by_stack(order, calls, all_grads)):
+    routed = exchange.route_gradients(call.ctx, _concat_grads(call, grads))
+    table, opt_state, stack_stats = optim.update_from_routed(
+        call.ctx, call.plan.optimizer, backend, state.table, state.opt_state,
+        routed, routing.segments, routing.unique_tokens, pending,
+        routing.num_overflow)
+    new_states.append(StackState(table, opt_state))
+    stats.append(stack_stats)
+  return tuple(new_states), tuple(stats)
+
+
+def _dense_grads_per_rank(order, calls, tables, all_ids, all_cotangents):
+  """The dense scatter-add cotangent of every stack table."""
+  out = []
+  for call, table, ids, cts in zip(calls, tables,
+                                    _by_stack(order, calls, all_ids),
+                                    _by_stack(order, calls, all_cotangents)):
+    keys_all = _gathered_keys(call, ids)
+    routed = exchange.route_gradients(call.ctx, _concat_grads(call, cts))
+    out.append(dense_table_grad(call.ctx, table, _rows_of(keys_all),
+                                           routed))
+  return tuple(out)
+
+
+# --- the differentiable lookup ----------------------------------------------------
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _collection_lookup(coll, calls, tables, all_ids):
+  order = tuple(coll.features)
+  fn = functools.partial(_lookup_per_rank, coll.backend, order, calls,
+                         route=False)
+  return exchange.shard(
+      calls[0].ctx, fn, in_specs=(coll._table_specs(), coll._feature_specs()),
+      out_specs=coll._feature_specs())(tables, all_ids)
+
+
+def _collection_lookup_fwd(coll, calls, tables, all_ids):
+  return _collection_lookup(coll, calls, tables, all_ids), (tables, all_ids)
+
+
+def _collection_lookup_bwd(coll, calls, residuals, cotangents):
+  tables, all_ids = residuals
+  fn = functools.partial(_dense_grads_per_rank, tuple(coll.features), calls)
+  table_cts = exchange.shard(
+      calls[0].ctx, fn,
+      in_specs=(coll._table_specs(), coll._feature_specs(),
+                coll._feature_specs()),
+      out_specs=coll._table_specs())(tables, all_ids, tuple(cotangents))
+  return table_cts, None
+
+
+_collection_lookup.defvjp(_collection_lookup_fwd, _collection_lookup_bwd)

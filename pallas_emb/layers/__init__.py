@@ -1,1 +1,0 @@
-"""Framework layers: `pallas_emb.flax` (linen) and `pallas_emb.haiku`."""

@@ -1,0 +1,380 @@
+"""EmbeddingCollection against a numpy model of a whole collection (DESIGN §10).
+
+The model knows nothing of stacks, offsets or ranks: every feature looks its
+ids up in its own logical table (wrap once, clamp), and an update step is,
+per table, DESIGN §4's row-wise Adagrad on the summed gradients of all the
+features that read the table (numpy_model.Adagrad on their concatenated ids
+and gradients).
+"""
+
+import functools
+import re
+
+import test_util
+
+from absl import logging
+from absl.testing import absltest
+from absl.testing import parameterized
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import numpy_model
+import pallas_emb as pe
+
+OPT_KWS = [
+    dict(learning_rate=0.1),
+    dict(learning_rate=0.05, half_life_steps=2.0,
+         initial_accumulator_value=0.1),
+    dict(learning_rate=0.2, half_life_steps=1.5, weight_decay=0.1, lazy=True,
+         eps=1e-3),
+]
+
+
+def model_lookup(table, ids):
+  rows = np.where(ids < 0, ids + table.shape[0], ids)
+  return table[np.clip(rows, 0, table.shape[0] - 1)]
+
+
+def edge_ids(rng, shape, vocab):
+  """Zipf-ish ids with 0, -1, -vocab, past the end and int32 extremes."""
+  ids = (np.minimum(rng.zipf(1.3, int(np.prod(shape))), vocab + 3) - 1)
+  ids = ids * rng.choice([-1, 1], ids.size)
+  edges = [0, -1, vocab - 1, vocab, -vocab, -vocab - 1, 2**31 - 1, -2**31]
+  k = min(len(edges), ids.size // 3)
+  ids[rng.choice(ids.size, k, replace=False)] = edges[:k]
+  return ids.reshape(shape).astype(np.int32)
+
+
+def random_collection(seed, backend):
+  """1-5 tables (widths 8-128 over 1-8 ranks, f32/bf16, shared optimizers so
+  that some tables stack), 1-3 features per table, sequence shapes."""
+  rng = np.random.default_rng(seed)
+  ranks = int(rng.choice([1, 2, 4, 8]))
+  mesh = test_util.mesh({"x": ranks})
+  opts = [pe.RowwiseAdagrad(**kw) for kw in OPT_KWS]
+  widths = [w for w in (8, 16, 32, 64, 128) if w % ranks == 0]
+  tables, features = [], []
+  for t in range(int(rng.integers(1, 6))):
+    opt_i = int(rng.integers(len(opts)))
+    table = pe.TableSpec(
+        f"t{t}", int(rng.integers(5, 60)),
+        int(rng.choice(widths[:2])) if rng.random() < 0.7
+        else int(rng.choice(widths)),
+        optimizer=opts[opt_i],
+        dtype=[jnp.float32, jnp.bfloat16][int(rng.integers(2))],
+        padding_id=[None, 0, 3][int(rng.integers(3))])
+    tables.append((table, opt_i))
+    for f in range(int(rng.integers(1, 4))):
+      features.append(pe.FeatureSpec(f"t{t}_f{f}", f"t{t}"))
+  batch_size = ranks * int(rng.integers(1, 4))
+  shapes = {f.name: (batch_size,) if rng.random() < 0.5
+            else (batch_size, int(rng.integers(1, 4))) for f in features}
+  coll = pe.EmbeddingCollection([t for t, _ in tables], features, mesh, "x",
+                                backend=backend)
+  config = dict(seed=seed, ranks=ranks, backend=backend,
+                tables=[(t.name, t.vocab_rows, t.emb_width, t.dtype.name,
+                         OPT_KWS[i], t.padding_id) for t, i in tables],
+                shapes=shapes, plan=str(coll.plan))
+  return coll, {t.name: i for t, i in tables}, shapes, rng, config
+
+
+class CollectionModel:
+  """Per logical table numpy Adagrad, fed by every feature of the table."""
+
+  def __init__(self, coll, arrays, opt_index):
+    self.coll = coll
+    self.models = {
+        name: numpy_model.Adagrad(
+            np.asarray(arrays[name]),
+            **_model_kw(OPT_KWS[opt_index[name]]))
+        for name in arrays}
+
+  def step(self, batch, grads):
+    for name, model in self.models.items():
+      feats = [f.name for f in self.coll.features.values() if f.table == name]
+      ids = np.concatenate([batch[f].reshape(-1) for f in feats])
+      g = np.concatenate([np.asarray(grads[f], np.float32).reshape(
+          -1, model.table.shape[1]) for f in feats])
+      model.step(ids, g, ids.size + 1,
+                 padding_id=self.coll.tables[name].padding_id,
+                 padding_slot=False)
+
+
+def _model_kw(kw):
+  names = dict(learning_rate="lr", eps="eps", initial_accumulator_value=
+               "init_acc", half_life_steps="half_life",
+               weight_decay="weight_decay", lazy="lazy")
+  return {names[k]: v for k, v in kw.items()}
+
+
+def assert_tables_close(test, got, model, msg):
+  got = test_util.as_numpy(got).astype(np.float32)
+  want = model.table.astype(np.float32)
+  if model.dtype == np.float32:
+    np.testing.assert_allclose(got, want, rtol=2e-6, atol=2e-6, err_msg=msg)
+  else:  # f32 sums in another order: at most one bf16 rounding apart
+    np.testing.assert_allclose(got, want, rtol=2**-7, atol=1e-6, err_msg=msg)
+
+
+@functools.partial(jax.jit, static_argnums=0, donate_argnums=1)
+def _train_step(coll, state, batch, grads):
+  return coll.apply_gradients(state, batch, grads)
+
+
+class CollectionModelTest(parameterized.TestCase):
+
+  def test_random_collections(self):
+    """Lookups and three update steps of random collections vs the model."""
+    backends = test_util.backends()
+    for i in range(12):
+      seed = 100 + i
+      coll, opt_index, shapes, rng, config = random_collection(
+          seed, backends[i % len(backends)])
+      logging.info("random collection %s", config)
+      with self.subTest(seed=seed):
+        try:
+          self._check(coll, opt_index, shapes, rng)
+        except AssertionError as e:
+          raise AssertionError(f"random collection {config} failed: {e}") \
+              from e
+
+  def _check(self, coll, opt_index, shapes, rng):
+    state = coll.init(jax.random.key(0))
+    arrays = {k: test_util.as_numpy(v)
+              for k, v in coll.table_arrays(state).items()}
+    model = CollectionModel(coll, arrays, opt_index)
+    lookup = jax.jit(coll.lookup)
+    for _ in range(3):
+      batch = {f.name: edge_ids(rng, shapes[f.name],
+                                coll.tables[f.table].vocab_rows)
+               for f in coll.features.values()}
+      emb = lookup(state, batch)
+      # Bit-exact against the current tables (which follow the model only to
+      # f32 summation order once they have been updated).
+      current = {k: test_util.as_numpy(v)
+                 for k, v in coll.table_arrays(state).items()}
+      want = {f.name: model_lookup(current[f.table], batch[f.name])
+              for f in coll.features.values()}
+      for name, got in emb.items():
+        test_util.assert_bits_equal(self, got, want[name], name)
+        self.assertTrue(got.sharding.is_equivalent_to(coll.token_sharding(),
+                                                      got.ndim))
+      grads = {name: rng.standard_normal(e.shape).astype(e.dtype)
+               for name, e in emb.items()}
+      model.step(batch, grads)
+      state, stats = _train_step(coll, state, batch, grads)
+      for stack_stats in stats.values():
+        self.assertEqual(int(stack_stats.valid), 1)
+        self.assertEqual(int(stack_stats.num_overflow), 0)
+    for name, table in coll.table_arrays(state).items():
+      assert_tables_close(self, table, model.models[name], name)
+    for name, opt_state in coll.optimizer_arrays(state).items():
+      np.testing.assert_allclose(
+          test_util.as_numpy(opt_state.row_state),
+          model.models[name].row_state, rtol=2e-6, atol=1e-12,
+          err_msg=name)
+
+
+class StackingTest(absltest.TestCase):
+
+  def setUp(self):
+    super().setUp()
+    self.mesh = test_util.mesh({"x": 4})
+    opt = pe.RowwiseAdagrad(0.1)
+    self.tables = [
+        pe.TableSpec("items", 50, 16, optimizer=opt),
+        pe.TableSpec("users", 30, 16, optimizer=opt),
+        pe.TableSpec("genre", 7, 8, optimizer=opt),
+        pe.TableSpec("city", 9, 16, optimizer=pe.RowwiseAdagrad(0.2)),
+    ]
+    self.features = [
+        pe.FeatureSpec("item", "items"), pe.FeatureSpec("history", "items"),
+        pe.FeatureSpec("user", "users"), pe.FeatureSpec("genre", "genre"),
+        pe.FeatureSpec("city", "city")]
+
+  def test_plan(self):
+    coll = pe.EmbeddingCollection(self.tables, self.features, self.mesh, "x")
+    stacks = coll.plan.stacks
+    self.assertEqual([s.tables for s in stacks],
+                     [("items", "users"), ("genre",), ("city",)])
+    self.assertEqual(stacks[0].row_offsets, (0, 50))
+    self.assertEqual(stacks[0].features, ("item", "history", "user"))
+    self.assertEqual(
+        str(coll.plan).splitlines()[:3],
+        ["stack0: [80, 16] float32, RowwiseAdagrad, features ['item', "
+         "'history', 'user']",
+         "  items: rows [0, 50)", "  users: rows [50, 80)"])
+
+  def test_ids_stay_in_their_table(self):
+    # -1 is the last row of `items`, never a row of `users`; past-the-end
+    # ids clamp to their own table's last row.
+    coll = pe.EmbeddingCollection(self.tables, self.features, self.mesh, "x")
+    state = coll.init(jax.random.key(1))
+    arrays = coll.table_arrays(state)
+    batch = {"item": np.array([-1, 50, 49, -50], np.int32),
+             "history": np.array([[0, 1]] * 4, np.int32),
+             "user": np.array([-1, 30, 10**6, -(2**31)], np.int32),
+             "genre": np.zeros(4, np.int32), "city": np.zeros(4, np.int32)}
+    emb = coll.lookup(state, batch)
+    for name, table in (("item", "items"), ("user", "users")):
+      test_util.assert_bits_equal(
+          self, emb[name], model_lookup(test_util.as_numpy(arrays[table]),
+                                        batch[name]))
+
+  def test_state_round_trips_through_logical_tables(self):
+    coll = pe.EmbeddingCollection(self.tables, self.features, self.mesh, "x")
+    state = coll.init(jax.random.key(2))
+    again = coll.state_from_arrays(coll.table_arrays(state),
+                                   coll.optimizer_arrays(state))
+    for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(again)):
+      test_util.assert_bits_equal(self, a, test_util.as_numpy(b))
+    for name, array in coll.table_arrays(state).items():
+      self.assertEqual(array.shape, (coll.tables[name].vocab_rows,
+                                     coll.tables[name].emb_width))
+      self.assertTrue(array.sharding.is_equivalent_to(coll.table_sharding(),
+                                                      2))
+
+  def test_init_does_not_depend_on_stacking(self):
+    a = pe.EmbeddingCollection(self.tables, self.features, self.mesh, "x")
+    alone = [pe.TableSpec("users", 30, 16,
+                          optimizer=pe.RowwiseAdagrad(0.3))]
+    b = pe.EmbeddingCollection(alone, [pe.FeatureSpec("user", "users")],
+                               self.mesh, "x")
+    test_util.assert_bits_equal(
+        self, a.table_arrays(a.init(jax.random.key(3)))["users"],
+        test_util.as_numpy(b.table_arrays(b.init(jax.random.key(3)))["users"]))
+
+  def test_max_unique_overflow(self):
+    tables = [pe.TableSpec("t", 100, 8, optimizer=pe.RowwiseAdagrad(0.1),
+                           max_unique=3)]
+    coll = pe.EmbeddingCollection(tables, [pe.FeatureSpec("f", "t")],
+                                  self.mesh, "x")
+    state = coll.init(jax.random.key(0))
+    batch = {"f": np.arange(1, 9, dtype=np.int32)}
+    grads = {"f": np.ones((8, 8), np.float32)}
+    _, stats = coll.apply_gradients(state, batch, grads)
+    self.assertEqual(int(stats["stack0"].num_overflow), 5)
+    with self.assertRaisesRegex(pe.UniqueOverflowError,
+                                r"stack0 \(tables \['t'\]\) had 5 more "
+                                "distinct ids"):
+      coll.raise_if_overflow(stats)
+    _, stats = coll.apply_gradients(state, {"f": np.ones(8, np.int32)}, grads)
+    coll.raise_if_overflow(stats)
+
+  def test_non_finite_gradient_skips_the_stack(self):
+    coll = pe.EmbeddingCollection(self.tables, self.features, self.mesh, "x")
+    state = coll.init(jax.random.key(4))
+    before = jax.tree.map(test_util.as_numpy, state)
+    batch = {"item": np.arange(4, dtype=np.int32),
+             "history": np.ones((4, 3), np.int32),
+             "user": np.arange(4, dtype=np.int32),
+             "genre": np.arange(4, dtype=np.int32),
+             "city": np.arange(4, dtype=np.int32)}
+    grads = {k: np.ones(np.shape(v) + (coll.tables[
+        coll.features[k].table].emb_width,), np.float32)
+             for k, v in batch.items()}
+    grads["user"][2, 3] = np.nan
+    state, stats = coll.apply_gradients(state, batch, grads)
+    self.assertEqual([int(s.valid) for s in stats.values()], [0, 1, 1])
+    test_util.assert_bits_equal(self, state.stacks["stack0"].table,
+                                before.stacks["stack0"].table)
+    state, stats = coll.apply_gradients(state, batch, grads, pending=False)
+    self.assertEqual([int(s.valid) for s in stats.values()], [0, 0, 0])
+
+
+class ValidationTest(parameterized.TestCase):
+
+  def setUp(self):
+    super().setUp()
+    self.mesh = test_util.mesh({"x": 4})
+    self.opt = pe.RowwiseAdagrad(0.1)
+
+  def _coll(self, tables=None, features=None, **kw):
+    tables = tables or [pe.TableSpec("t", 10, 8, optimizer=self.opt)]
+    features = features or [pe.FeatureSpec("f", "t")]
+    return pe.EmbeddingCollection(tables, features, kw.pop("mesh", self.mesh),
+                                  kw.pop("table_axis", "x"), **kw)
+
+  def test_layout_rules(self):
+    m = test_util.mesh({"replica": 2, "x": 4})
+    with self.assertRaisesRegex(pe.ShardingError, "^" + re.escape(
+        f"pallas_emb axis 'y' is not a mesh axis of {m}")):
+      self._coll(mesh=m, table_axis="y")
+    with self.assertRaisesRegex(pe.ShardingError, "^" + re.escape(
+        "pallas_emb requires token shards to vary across the communicator: "
+        "table_axis ['x'] missing from data_axis ('replica',)")):
+      self._coll(mesh=m, data_axis="replica")
+    with self.assertRaisesRegex(pe.ShardingError, "^" + re.escape(
+        "pallas_emb requires exactly one token shard per communicator rank: "
+        "data_axis ('replica', 'x') shards tokens over 2 positions outside "
+        "table_axis ('x',)")):
+      self._coll(mesh=m, data_axis=("replica", "x"))
+    with self.assertRaisesRegex(pe.ShardingError, "^" + re.escape(
+        "pallas_emb emb_width=6 does not shard evenly over the 4-rank "
+        "communicator (table 'u')")):
+      self._coll(tables=[pe.TableSpec("t", 10, 8, optimizer=self.opt),
+                         pe.TableSpec("u", 10, 6, optimizer=self.opt)],
+                 features=[pe.FeatureSpec("f", "t"),
+                           pe.FeatureSpec("g", "u")])
+
+  def test_rule4_names_the_feature(self):
+    coll = self._coll()
+    state = coll.init(jax.random.key(0))
+    with self.assertRaisesRegex(pe.ShardingError, "^" + re.escape(
+        "pallas_emb tokens_per_batch=6 does not shard evenly over the 4-rank "
+        "communicator (batch['f'] has shape (6, 2))")):
+      coll.lookup(state, {"f": np.zeros((6, 2), np.int32)})
+
+  @parameterized.parameters(
+      (lambda o: pe.TableSpec("", 10, 8, optimizer=o), "name='' must be"),
+      (lambda o: pe.TableSpec("t", 0, 8, optimizer=o),
+       "TableSpec 't' vocab_rows=0 must be a positive integer"),
+      (lambda o: pe.TableSpec("t", 10, 8, optimizer=o, dtype=jnp.int32),
+       "dtype=int32; expected one of"),
+      (lambda o: pe.TableSpec("t", 10, 8, optimizer="adam"),
+       "optimizer='adam' is not a sparse optimizer"),
+      (lambda o: pe.TableSpec("t", 10, 8, optimizer=o, max_unique=0),
+       "max_unique=0 must be a positive integer"),
+      (lambda o: pe.TableSpec("t", 10, 8, optimizer=o, padding_id=1.5),
+       "padding_id=1.5 must be an int id or None"),
+      (lambda o: pe.FeatureSpec("f", "t", weighted=True),
+       "weighted=True needs a combiner"),
+  )
+  def test_spec_errors(self, make, message):
+    with self.assertRaisesRegex(pe.InputError, message):
+      make(self.opt)
+
+  def test_collection_errors(self):
+    t = pe.TableSpec("t", 10, 8, optimizer=self.opt)
+    with self.assertRaisesRegex(pe.InputError, "names \\['t'\\] more than "
+                                "once"):
+      self._coll(tables=[t, t])
+    with self.assertRaisesRegex(pe.InputError, "FeatureSpec 'f' reads table "
+                                "'nope'"):
+      self._coll(features=[pe.FeatureSpec("f", "nope")])
+    with self.assertRaisesRegex(pe.InputError, "tables \\['u'\\] are read by "
+                                "no feature"):
+      self._coll(tables=[t, pe.TableSpec("u", 10, 8, optimizer=self.opt)])
+    with self.assertRaisesRegex(pe.InputError, "expected pallas_emb.TableSpec"):
+      self._coll(tables=[("t", 10, 8)])
+
+  def test_call_errors(self):
+    coll = self._coll()
+    state = coll.init(jax.random.key(0))
+    with self.assertRaisesRegex(pe.InputError, r"batch has no ids for "
+                                r"features \['f'\]; it has keys \['g'\]"):
+      coll.lookup(state, {"g": np.zeros(4, np.int32)})
+    with self.assertRaisesRegex(pe.InputError, "batch\\['f'\\] has dtype "
+                                "float32; expected integer ids"):
+      coll.lookup(state, {"f": np.zeros(4, np.float32)})
+    with self.assertRaisesRegex(pe.InputError, re.escape(
+        "emb_grads['f'] has shape (4, 4); expected (4, 8)")):
+      coll.apply_gradients(state, {"f": np.zeros(4, np.int32)},
+                           {"f": np.zeros((4, 4), np.float32)})
+    with self.assertRaisesRegex(pe.InputError, "state is a dict"):
+      coll.lookup({"stack0": None}, {"f": np.zeros(4, np.int32)})
+
+
+if __name__ == "__main__":
+  absltest.main()
