@@ -200,3 +200,93 @@ def restore(directory, target, *, step: int | None = None):
         jax.tree_util.tree_structure(target),
         [_abstract(k, v, saved[k]) for k, v in wanted.items()])
     return ckptr.restore(path, abstract)
+
+
+# --- collections: logical tables -------------------------------------------------
+
+
+def _saved_tree(directory, step: int | None):
+  """(path, metadata tree as nested dicts of leaf metadata) of a step."""
+  ocp, _ = _orbax()
+  root = _dir(directory)
+  steps = _complete_steps(root)
+  if step is None:
+    if not steps:
+      raise CheckpointError(
+          f"pallas_emb checkpoint directory {root} holds no complete "
+          "checkpoint; save one first, or pass the directory save() wrote to.")
+    step = steps[-1]
+  if _check_step(step) not in steps:
+    raise CheckpointError(
+        f"pallas_emb checkpoint step {step} is not a complete checkpoint in "
+        f"{root}; complete steps are {steps}.")
+  with ocp.StandardCheckpointer() as ckptr:
+    meta = ckptr.metadata(root / str(step))
+  meta = getattr(meta, "item_metadata", meta)
+  return step, getattr(meta, "tree", meta)
+
+
+def save_collection(directory, coll, state, *, step: int, extra=None) -> None:
+  """Saves a collection's state as logical tables (and `extra`, any pytree).
+
+  Stored per table (`coll.table_arrays` / `coll.optimizer_arrays`), so the
+  checkpoint restores under another stacking, rank count or mesh.
+  """
+  save(directory, {"tables": coll.table_arrays(state),
+                   "opt_states": coll.optimizer_arrays(state),
+                   "extra": extra if extra is not None else {}}, step=step)
+
+
+def _table_target(coll, name: str):
+  spec = coll.tables[name]
+  table = jax.ShapeDtypeStruct((spec.vocab_rows, spec.emb_width), spec.dtype,
+                               sharding=coll.table_sharding())
+  opt = spec.optimizer
+  replicated = jax.sharding.NamedSharding(coll.mesh,
+                                          jax.sharding.PartitionSpec())
+  shapes = jax.eval_shape(lambda: opt.init_state(
+      spec.vocab_rows, replicated, coll.table_sharding()))
+  specs = opt.state_specs(jax.sharding.PartitionSpec(None, coll.table_axis))
+  opt_state = jax.tree.map(
+      lambda s, p: jax.ShapeDtypeStruct(
+          s.shape, s.dtype, sharding=jax.sharding.NamedSharding(coll.mesh, p)),
+      shapes, specs)
+  return table, opt_state
+
+
+def restore_collection(directory, coll, *, step: int | None = None,
+                       extra=None, init_key=None):
+  """`(state, extra)` of a `save_collection` checkpoint, onto `coll`.
+
+  `coll` may stack its tables differently and live on another mesh than at
+  save time. Tables of `coll` that the checkpoint lacks (a table added
+  since) are initialized from `init_key`, which is then required; a saved
+  table that `coll` lacks is an error. `extra` is the target of the saved
+  extra pytree (as for `restore`), or None if nothing extra was saved.
+  """
+  step, saved = _saved_tree(directory, step)
+  saved_tables = set(saved.get("tables", {}))
+  unknown = sorted(saved_tables - set(coll.tables))
+  if unknown:
+    raise CheckpointError(
+        f"pallas_emb checkpoint {directory}/{step} holds tables {unknown} "
+        f"that the collection does not have (it has {sorted(coll.tables)}); "
+        "add their TableSpecs to restore it.")
+  missing = sorted(set(coll.tables) - saved_tables)
+  if missing and init_key is None:
+    raise CheckpointError(
+        f"pallas_emb checkpoint {directory}/{step} has no tables {missing}; "
+        "pass init_key= to initialize them fresh.")
+  targets = {name: _table_target(coll, name) for name in sorted(saved_tables)}
+  tree = restore(directory, {
+      "tables": {n: t for n, (t, _) in targets.items()},
+      "opt_states": {n: o for n, (_, o) in targets.items()},
+      "extra": {} if extra is None else extra}, step=step)
+  tables, opt_states = dict(tree["tables"]), dict(tree["opt_states"])
+  if missing:
+    fresh = coll.init(init_key)
+    fresh_tables = coll.table_arrays(fresh)
+    fresh_opt = coll.optimizer_arrays(fresh)
+    for name in missing:
+      tables[name], opt_states[name] = fresh_tables[name], fresh_opt[name]
+  return coll.state_from_arrays(tables, opt_states), tree["extra"]

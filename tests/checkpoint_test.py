@@ -1,13 +1,9 @@
 """Tests for pallas_emb.checkpoint: resharding round trips, atomicity, errors."""
 
 import os
+import tempfile
 
-_FLAG = "--xla_force_host_platform_device_count=8"
-if _FLAG not in os.environ.get("XLA_FLAGS", ""):
-  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " +
-                             _FLAG).strip()
-
-import tempfile  # pylint: disable=g-import-not-at-top,g-bad-import-order
+import test_util
 
 from absl.testing import absltest
 from absl.testing import parameterized
@@ -16,6 +12,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 import numpy as np
 
+import pallas_emb as pe
 from pallas_emb import checkpoint as ckpt
 
 VOCAB, WIDTH = 64, 16
@@ -211,6 +208,80 @@ class CheckpointTest(parameterized.TestCase):
       with self.assertRaisesRegex(ckpt.CheckpointError,
                                   r"step=.* must be a non-negative integer"):
         ckpt.save(self.dir, {"s": jnp.int32(0)}, step=bad)
+
+
+def _collection(ranks, tables, lazy=True):
+  opt = pe.RowwiseAdagrad(0.1, half_life_steps=3.0, lazy=lazy)
+  specs = {"items": pe.TableSpec("items", 40, 16, optimizer=opt),
+           "users": pe.TableSpec("users", 24, 16, optimizer=opt),
+           "genre": pe.TableSpec("genre", 8, 16, optimizer=opt,
+                                 dtype=jnp.bfloat16),
+           "city": pe.TableSpec("city", 12, 16, optimizer=opt)}
+  return pe.EmbeddingCollection(
+      [specs[t] for t in tables], [pe.FeatureSpec(t, t) for t in tables],
+      test_util.mesh({"x": ranks}), "x")
+
+
+class CollectionCheckpointTest(absltest.TestCase):
+
+  def setUp(self):
+    super().setUp()
+    tmp = tempfile.TemporaryDirectory()
+    self.addCleanup(tmp.cleanup)
+    self.dir = tmp.name
+
+  def _trained(self, coll):
+    """A state whose tables and optimizer state are not at their init."""
+    state = coll.init(jax.random.key(0))
+    rng = np.random.default_rng(0)
+    batch = {f: rng.integers(0, 8, 8).astype(np.int32) for f in coll.features}
+    grads = {f: rng.standard_normal((8, 16)).astype(np.float32)
+             for f in coll.features}
+    for _ in range(2):
+      state, _ = coll.apply_gradients(state, batch, grads)
+    return state
+
+  def test_restore_under_other_ranks_and_stacking(self):
+    saved_coll = _collection(8, ["items", "users", "genre"])
+    state = self._trained(saved_coll)
+    ckpt.save_collection(self.dir, saved_coll, state, step=5,
+                         extra={"step": 5})
+    # 4 ranks, a table added in the middle: items+users+city now stack.
+    coll = _collection(4, ["items", "city", "users", "genre"])
+    self.assertEqual(coll.plan.stacks[0].tables, ("items", "city", "users"))
+    with self.assertRaisesRegex(pe.CheckpointError, r"has no tables "
+                                r"\['city'\]; pass init_key="):
+      ckpt.restore_collection(self.dir, coll, extra={"step": 0})
+    restored, extra = ckpt.restore_collection(
+        self.dir, coll, extra={"step": 0}, init_key=jax.random.key(1))
+    self.assertEqual(int(extra["step"]), 5)
+    want_tables = saved_coll.table_arrays(state)
+    want_opt = saved_coll.optimizer_arrays(state)
+    got_tables = coll.table_arrays(restored)
+    got_opt = coll.optimizer_arrays(restored)
+    for name in want_tables:
+      self.assertTrue(got_tables[name].sharding.is_equivalent_to(
+          coll.table_sharding(), 2))
+      np.testing.assert_array_equal(_bits(got_tables[name]),
+                                    _bits(want_tables[name]))
+      for a, b in zip(jax.tree.leaves(got_opt[name]),
+                      jax.tree.leaves(want_opt[name])):
+        np.testing.assert_array_equal(_bits(a), _bits(b))
+    fresh = coll.table_arrays(coll.init(jax.random.key(1)))["city"]
+    np.testing.assert_array_equal(_bits(got_tables["city"]), _bits(fresh))
+    # And it trains on.
+    restored, _ = coll.apply_gradients(
+        restored, {f: np.ones(8, np.int32) for f in coll.features},
+        {f: np.ones((8, 16), np.float32) for f in coll.features})
+
+  def test_unknown_saved_table(self):
+    saved_coll = _collection(2, ["items", "users"])
+    ckpt.save_collection(self.dir, saved_coll,
+                         saved_coll.init(jax.random.key(0)), step=1)
+    with self.assertRaisesRegex(pe.CheckpointError, r"holds tables "
+                                r"\['users'\] that the collection does not "
+                                "have"):
+      ckpt.restore_collection(self.dir, _collection(2, ["items"]))
 
 
 if __name__ == "__main__":
