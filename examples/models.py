@@ -48,7 +48,7 @@ class BiasedMF(nn.Module):
       rows[feature] = pe_flax.Embed(
           self.vocab_sizes[feature], self.emb_width, self.contexts[feature],
           param_dtype=self.param_dtype,
-          embedding_init=_factor_init(self.init_scale),
+          embedding_init=_factor_init(self.init_scale), padding_id=0,
           name=TABLE_KEYS[feature])(batch[feature]).astype(jnp.float32)
     mu = self.param("mu", nn.initializers.constant(self.mean), (),
                     jnp.float32)

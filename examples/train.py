@@ -76,7 +76,6 @@ from examples.models import TABLE_KEYS
 import pallas_emb as pe
 from pallas_emb import checkpoint
 from pallas_emb import datasets
-from pallas_emb import pipeline
 from pallas_emb.flax import FlaxTrainer
 
 PROGRAM = "examples.train"
@@ -207,15 +206,15 @@ class _Run:
   train: datasets.Dataset
   test: datasets.Dataset
   mesh: jax.sharding.Mesh
-  contexts: dict[str, pe.EmbeddingContext]
+  collection: pe.EmbeddingCollection
   model: BiasedMF
   trainer: FlaxTrainer
   rating_range: tuple[float, float] | None
 
   @property
   def sharding(self) -> jax.sharding.Sharding:
-    """Where batches go: the token sharding (the same for both tables)."""
-    return pe.token_sharding(self.contexts["user"])
+    """Where batches go: the collection's token sharding."""
+    return self.collection.token_sharding()
 
   def place(self, batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
     return _place(batch, self.sharding)
@@ -225,18 +224,19 @@ def build(config: TrainConfig, train_ds: datasets.Dataset,
           test_ds: datasets.Dataset) -> _Run:
   devices = jax.devices()
   mesh = jax.sharding.Mesh(np.array(devices), ("x",))
-  contexts = {}
-  for feature in FEATURES:
-    vocab = train_ds.vocab_sizes[feature]
-    contexts[feature] = pe.make_context(
-        mesh, "x", tokens_per_batch=config.batch_size,
-        emb_width=config.emb_width,
-        num_unique=config.num_unique or pe.default_num_unique(
-            config.batch_size, vocab))
+  # The Embed layers fix the batch size of their contexts; the collection
+  # (tables named after the Embeds' module paths) trains them.
+  contexts = {
+      feature: pe.make_context(
+          mesh, "x", tokens_per_batch=config.batch_size,
+          emb_width=config.emb_width,
+          num_unique=pe.default_num_unique(config.batch_size,
+                                           train_ds.vocab_sizes[feature]))
+      for feature in FEATURES}
+  dtype = jnp.dtype(config.table_dtype)
   model = BiasedMF(
       vocab_sizes=dict(train_ds.vocab_sizes), contexts=contexts,
-      emb_width=config.emb_width,
-      param_dtype=jnp.dtype(config.table_dtype),
+      emb_width=config.emb_width, param_dtype=dtype,
       init_scale=config.init_scale,
       mean=float(np.mean(train_ds.labels)))
   optimizer = pe.RowwiseAdagrad(
@@ -244,17 +244,21 @@ def build(config: TrainConfig, train_ds: datasets.Dataset,
       initial_accumulator_value=config.emb_initial_accumulator,
       half_life_steps=config.emb_half_life or None,
       weight_decay=config.emb_weight_decay)
-  tables = {TABLE_KEYS[f]: pe.TableSpec(contexts[f], optimizer, f)
-            for f in FEATURES}
-  trainer = FlaxTrainer(model, tables, make_loss(config.l2),
+  collection = pe.EmbeddingCollection(
+      [pe.TableSpec(TABLE_KEYS[f], train_ds.vocab_sizes[f], config.emb_width,
+                    optimizer=optimizer, dtype=dtype, padding_id=0,
+                    max_unique=config.num_unique or None)
+       for f in FEATURES],
+      [pe.FeatureSpec(f, TABLE_KEYS[f]) for f in FEATURES], mesh, "x",
+      backend=config.backend or None)
+  trainer = FlaxTrainer(model, collection, make_loss(config.l2),
                         optax.adam(config.dense_lr),
-                        pipelined=config.pipelined,
-                        backend=config.backend or None)
+                        pipelined=config.pipelined)
   rating_range = None
   if config.data == "movielens":
     rating_range = (float(train_ds.labels.min()),
                     float(train_ds.labels.max()))
-  return _Run(config, train_ds, test_ds, mesh, contexts, model, trainer,
+  return _Run(config, train_ds, test_ds, mesh, collection, model, trainer,
               rating_range)
 
 
@@ -280,7 +284,8 @@ def _describe(run: _Run, schedule: _Schedule) -> str:
           f"{test_ds.num_examples} test, vocab {dict(train_ds.vocab_sizes)})"
           f" on {jax.device_count()} {jax.devices()[0].platform} device(s), "
           f"{jax.process_count()} process(es); emb_width {config.emb_width} "
-          f"({run.contexts['user'].shard_width} columns per device), batch "
+          f"({config.emb_width // jax.device_count()} columns per device), "
+          "batch "
           f"{config.batch_size}, {schedule.total_steps} steps, "
           f"{'pipelined' if config.pipelined else 'synchronous'} step.")
 
@@ -288,12 +293,10 @@ def _describe(run: _Run, schedule: _Schedule) -> str:
 # --- init or restore ---------------------------------------------------------
 
 
-def _checkpoint_tree(state: pe.PipelineState, step: int):
-  return {"tables": {k: {"table": t.table, "opt_state": t.opt_state}
-                     for k, t in state.tables.items()},
-          "dense_params": state.dense_params,
-          "dense_opt_state": state.dense_opt_state,
-          "step": step}
+def _extra(state: pe.PipelineState, step: int):
+  """What a checkpoint stores besides the collection's logical tables."""
+  return {"dense_params": state.dense_params,
+          "dense_opt_state": state.dense_opt_state, "step": step}
 
 
 def _restore(run: _Run, state: pe.PipelineState, saved: int, first_batch):
@@ -302,15 +305,12 @@ def _restore(run: _Run, state: pe.PipelineState, saved: int, first_batch):
   Restored onto `state`'s layout; a pipelined state re-issues the lookup of
   `first_batch` from the restored tables (nothing is staged).
   """
-  directory = run.config.checkpoint_dir
-  tree = checkpoint.restore(directory, _checkpoint_tree(state, 0), step=saved)
-  tables = {k: t["table"] for k, t in tree["tables"].items()}
-  fresh = run.trainer.init_from(tables, tree["dense_params"], first_batch)
-  state = fresh._replace(
-      tables={k: pipeline.TableState(tables[k], t["opt_state"])
-              for k, t in tree["tables"].items()},
-      dense_opt_state=tree["dense_opt_state"])
-  return state, int(tree["step"])
+  embedding, extra = checkpoint.restore_collection(
+      run.config.checkpoint_dir, run.collection, step=saved,
+      extra=_extra(state, 0))
+  fresh = run.trainer.init_from(embedding, extra["dense_params"], first_batch)
+  return (fresh._replace(dense_opt_state=extra["dense_opt_state"]),
+          int(extra["step"]))
 
 
 @dataclasses.dataclass
@@ -399,15 +399,12 @@ class _UpdateMonitor:
     self.window: list = []  # StepMetrics since the last host check
     self.skipped = 0
     self.curve: list[tuple[int, float]] = []  # (step, mean train MSE)
-    self._overflow_guard = {k: spec.ctx.num_unique
-                            for k, spec in trainer.tables.items()}
+    self._collection = trainer.collection
 
   def check_updates(self, updates) -> None:
     """Raises on a unique-id overflow; counts skipped (non-finite) updates."""
-    for key, stats in updates.items():
-      pe.raise_if_overflow(stats.num_overflow,
-                           self._overflow_guard[key] + stats.num_overflow,
-                           self._overflow_guard[key])
+    self._collection.raise_if_overflow(updates)
+    for stats in updates.values():
       self.skipped += int(stats.pending and not stats.valid)
 
   def host_check(self, step: int) -> float:
@@ -512,8 +509,9 @@ def _finish(run: _Run, state: pe.PipelineState, step: int, start: int,
   test_mse = evaluator.curve[-1][1]
 
   if config.checkpoint_dir and step > start:
-    checkpoint.save(config.checkpoint_dir, _checkpoint_tree(state, step),
-                    step=step)
+    checkpoint.save_collection(config.checkpoint_dir, run.collection,
+                               state.embedding, extra=_extra(state, step),
+                               step=step)
     log(f"saved checkpoint {config.checkpoint_dir}/{step}")
 
   train_seconds = timing.end - timing.start - eval_seconds
