@@ -47,6 +47,7 @@ gone. Set PALLAS_EMB_HLO_STRICT=1 to treat them as failures too.
 import functools
 import itertools
 import os
+import re
 
 import test_util
 
@@ -103,7 +104,7 @@ def setup(ranks, dtype, lazy=False):
 
 
 def loss_fn(params, embeddings, batch):
-  x = embeddings["t"].astype(jnp.float32)
+  x = embeddings["ids"].astype(jnp.float32)
   pred = (x @ params["w"])[:, 0]
   return jnp.mean((pred - batch["y"]) ** 2), ()
 
@@ -176,11 +177,14 @@ class HloTest(parameterized.TestCase):
   def test_trainer_step(self, ranks, dtype, pipelined, lazy):
     backend = hlo_backend()
     ctx, opt, table, batch = setup(ranks, dtype, lazy)
-    trainer = pipeline.Trainer(
-        tables={"t": pe.TableSpec(ctx, opt, "ids")}, loss_fn=loss_fn,
-        dense_optimizer=optax.sgd(0.1), pipelined=pipelined, backend=backend)
+    coll = pe.EmbeddingCollection(
+        [pe.TableSpec("t", VOCAB, WIDTH, optimizer=opt, dtype=dtype)],
+        [pe.FeatureSpec("ids", "t")], ctx.mesh, "x", backend=backend)
+    trainer = pipeline.Trainer(coll, loss_fn=loss_fn,
+                               dense_optimizer=optax.sgd(0.1),
+                               pipelined=pipelined)
     params = {"w": jnp.full((WIDTH, 1), 0.1, jnp.float32)}
-    state = trainer.init({"t": table}, params,
+    state = trainer.init(coll.state_from_arrays({"t": table}), params,
                          first_batch=batch if pipelined else None)
     step = jax.jit(trainer.step, donate_argnums=0)
     args = (state, batch, batch) if pipelined else (state, batch)
@@ -188,6 +192,73 @@ class HloTest(parameterized.TestCase):
     self.check(text, dtype, backend,
                f"Trainer step ranks={ranks} {dtype} pipelined={pipelined} "
                f"lazy={lazy}")
+
+
+class OneExchangePerStackTest(parameterized.TestCase):
+  """6 features over 4 tables in 2 stacks: every collective once per stack."""
+
+  def setUp(self):
+    super().setUp()
+    mesh = test_util.mesh({"x": 8})
+    opt = pe.RowwiseAdagrad(0.1)
+    self.coll = pe.EmbeddingCollection(
+        [pe.TableSpec("items", 500, 16, optimizer=opt),
+         pe.TableSpec("users", 300, 16, optimizer=opt),
+         pe.TableSpec("genre", 20, 8, optimizer=opt, dtype=jnp.bfloat16),
+         pe.TableSpec("city", 30, 8, optimizer=opt, dtype=jnp.bfloat16)],
+        [pe.FeatureSpec("item", "items"), pe.FeatureSpec("history", "items"),
+         pe.FeatureSpec("user", "users"), pe.FeatureSpec("genre", "genre"),
+         pe.FeatureSpec("genres_seen", "genre"),
+         pe.FeatureSpec("city", "city")], mesh, "x", backend="xla")
+    self.assertLen(self.coll.plan.stacks, 2)
+    rng = np.random.default_rng(0)
+    shapes = {"item": (16,), "history": (16, 5), "user": (16,),
+              "genre": (16,), "genres_seen": (16, 3), "city": (16,)}
+    self.batch = jax.device_put(
+        {k: rng.integers(0, 20, v).astype(np.int32)
+         for k, v in shapes.items()}, self.coll.token_sharding())
+
+  def loss_fn(self, params, emb, batch):
+    del batch
+    total = sum(jnp.sum(e.astype(jnp.float32) * params["w"][:e.shape[-1]])
+                for e in emb.values())
+    return total, ()
+
+  @parameterized.parameters(True, False)
+  def test_trainer_step(self, pipelined):
+    trainer = pipeline.Trainer(self.coll, self.loss_fn, optax.sgd(0.1),
+                               pipelined=pipelined)
+    state = trainer.init(self.coll.init(jax.random.key(0)),
+                         {"w": jnp.ones((16,), jnp.float32)},
+                         self.batch if pipelined else None)
+    args = (state, self.batch, self.batch) if pipelined else (state,
+                                                              self.batch)
+    lowered = jax.jit(trainer.step, donate_argnums=0).lower(*args)
+    text = lowered.as_text()
+    # Per stack: the ids' all-gather (shared by lookup, dedup and update)
+    # and the row-norm sum; the lookup's and the gradients' all-to-all; one
+    # dedup (one sort), one gather, one scatter of the update.
+    self.assertEqual(text.count("stablehlo.all_gather"), 2 * 2)
+    self.assertEqual(text.count("stablehlo.all_to_all"), 2 * 2)
+    self.assertEqual(text.count("stablehlo.sort"), 2)
+    self.assertEqual(text.count("stablehlo.all_reduce"), 0)
+    compiled = hlo.collective_bytes(lowered.compile().as_text(), 8)
+    self.assertEqual(compiled["all-to-all"]["count"], 4)
+
+  def test_one_kernel_call_per_stack(self):
+    """The Triton kernels, lowered for CUDA on CPU: each once per stack."""
+    coll = pe.EmbeddingCollection(
+        list(self.coll.tables.values()), list(self.coll.features.values()),
+        self.coll.mesh, "x", backend="pallas")
+    trainer = pipeline.Trainer(coll, self.loss_fn, optax.sgd(0.1),
+                               pipelined=False)
+    state = jax.eval_shape(lambda: trainer.init(
+        coll.init(jax.random.key(0)), {"w": jnp.ones((16,), jnp.float32)}))
+    text = jax.jit(trainer.step).trace(state, self.batch).lower(
+        lowering_platforms=("cuda",)).as_text()
+    for kernel in ("pallas_emb_gather", "pallas_emb_segment_sum_pieces",
+                   "pallas_emb_segment_sum", "pallas_emb_adagrad"):
+      self.assertLen(re.findall(f'name = "{kernel}"', text), 2, kernel)
 
 
 class DetectorTest(parameterized.TestCase):
