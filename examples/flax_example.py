@@ -1,6 +1,11 @@
-"""A Flax model whose embedding table trains with pallas_emb's sparse step.
+"""A Flax model whose embedding tables train with pallas_emb's sparse step.
 
     python examples/flax_example.py    # 8 simulated CPU devices without a GPU
+
+Two tables ("users", "items") serve three features: "user" and "item" ids
+`[B]`, and each example's "history" of items `[B, L]`, which shares the items
+table. Tables of one width, dtype and optimizer are stored as one stack and
+looked up with one exchange per step (`print(coll.plan)`).
 """
 import os
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
@@ -15,25 +20,37 @@ from pallas_emb import flax as pe_flax
 
 
 def main(steps=100):
-  batch, vocab, width = 512, 1000, 8 * jax.device_count()
+  batch, length, users, items = 512, 4, 1000, 500
+  width = 8 * jax.device_count()  # column-sharded: 8 columns per device
   mesh = jax.make_mesh((jax.device_count(),), ("x",))
-  ctx = pe.make_context(mesh, "x", tokens_per_batch=batch, emb_width=width,
-                        num_unique=pe.default_num_unique(batch, vocab))
+  opt = pe.RowwiseAdagrad(0.1)  # the tables' sparse optimizer
+  coll = pe.EmbeddingCollection(
+      [pe.TableSpec("users", users, width, optimizer=opt),
+       pe.TableSpec("items", items, width, optimizer=opt)],
+      [pe.FeatureSpec("user", table="users"),
+       pe.FeatureSpec("item", table="items"),
+       pe.FeatureSpec("history", table="items")],  # [B, L] -> [B, L, width]
+      mesh, table_axis="x")
 
   class Model(nn.Module):
     @nn.compact
     def __call__(self, b):
-      x = pe_flax.Embed(vocab, width, ctx, name="embed")(b["ids"])
+      e = pe_flax.EmbeddingCollection(coll, name="embed")(b)  # {feature: emb}
+      x = jnp.concatenate([e["user"], e["item"], e["history"].mean(1)], -1)
       return nn.Dense(1)(nn.relu(nn.Dense(32)(x)))[:, 0]
 
   rng = np.random.default_rng(0)
-  ids = [rng.integers(1, vocab, batch, dtype=np.int32) for _ in range(steps)]
-  batches = [jax.device_put({"ids": i, "y": np.sin(i).astype(np.float32)},
-                            pe.token_sharding(ctx)) for i in ids]
+  batches = []
+  for _ in range(steps):
+    b = {"user": rng.integers(0, users, batch, dtype=np.int32),
+         "item": rng.integers(0, items, batch, dtype=np.int32),
+         "history": rng.integers(0, items, (batch, length), dtype=np.int32)}
+    b["y"] = (np.sin(b["user"]) + np.cos(b["item"]) +
+              np.sin(b["history"]).mean(1)).astype(np.float32) / 2
+    batches.append(jax.device_put(b, coll.token_sharding()))
   model = Model()
-  trainer = pe_flax.FlaxTrainer(   # the table: sparse RowwiseAdagrad; the rest: adam
-      model, {"embed": pe.TableSpec(ctx, pe.RowwiseAdagrad(0.1), "ids")},
-      loss=lambda pred, b: jnp.mean((pred - b["y"]) ** 2),
+  trainer = pe_flax.FlaxTrainer(  # tables: sparse RowwiseAdagrad; rest: adam
+      model, coll, loss=lambda pred, b: jnp.mean((pred - b["y"]) ** 2),
       dense_optimizer=optax.adam(1e-2))
   state = trainer.init(model.init(jax.random.key(0), batches[0])["params"],
                        batches[0])
@@ -42,6 +59,7 @@ def main(steps=100):
     state, metrics = step(state, batches[t], batches[min(t + 1, steps - 1)])
     jax.block_until_ready(metrics.loss)  # XLA:CPU, see examples/train.py
   state, _ = trainer.flush(state)  # the last staged update
+  print(coll.plan)
   print(f"loss after {steps} steps: {float(metrics.loss):.5f}")
   return float(metrics.loss), trainer.params(state)  # a flax params tree
 

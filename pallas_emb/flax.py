@@ -13,8 +13,10 @@ early when pipelined) and passes the embeddings in the variable collection
 `LOOKUPS` (`{"pallas_emb_lookups": {<module path>: {"embeddings": ...}}}`);
 a layer that finds its embeddings there returns them (in its own dtype) and
 never creates or reads its table param. Each layer also records its calls
-in the mutable collection `CALLS`, so the trainer can insist that every
-table is looked up exactly once per forward pass.
+(and an Embed its padding_id) in the mutable collection `CALLS`, so the
+trainer can insist that every table is looked up exactly once per forward
+pass, that no `Embed` outside the collection looks itself up, and that an
+Embed's padding_id is its table's.
 
 Inside the package `import flax` still means the real Flax: imports are
 absolute, so this module is only ever `pallas_emb.flax`.
@@ -111,7 +113,9 @@ class Embed(nn.Module):
   Differences from `nn.Embed`:
     * `ctx` (from `pallas_emb.make_context`) fixes the layout: its
       `emb_width` equals `features`, and a call passes `ctx.tokens_per_batch`
-      ids whose leading dimension shards over the context's token axes.
+      ids whose leading dimension shards over the context's token axes
+      (under `FlaxTrainer`, any batch size the collection accepts). The
+      context's `padding_id` is not used: the layer's own applies.
     * Out-of-range ids: `nn.Embed` returns NaN rows for ids >=
       num_embeddings; this layer wraps a negative id once and clamps, so it
       always returns a real row. In range the output is bit-identical.
@@ -198,8 +202,15 @@ class Embed(nn.Module):
     """`nn.Embed.attend`: inner products of the queries with every embedding.
 
     Dense (`[..., num_embeddings]`): meant for tied output layers of small
-    vocabularies, not for huge tables.
+    vocabularies, not for huge tables. Not under `FlaxTrainer`, which keeps
+    the table out of the model's params.
     """
+    if self.has_variable(LOOKUPS, "embeddings"):
+      raise InputError(
+          f"pallas_emb.flax.Embed {_path(self)!r} attend needs the whole "
+          "table, which FlaxTrainer keeps out of the model's params; tie the "
+          "output layer to a table the dense optimizer trains (nn.Embed), "
+          "or call attend outside the trainer on trainer.params(state).")
     query, embedding = self.promote_dtype(query, self.embedding,
                                           dtype=self.dtype)
     return jnp.dot(query, embedding.T)
@@ -329,7 +340,7 @@ class FlaxTrainer:
   def pipelined(self) -> bool:
     return self.trainer.pipelined
 
-  # --- where the tables live ---------------------------------------------------
+  # --- where the tables live --------------------------------------------------
 
   def _find_home(self, flat) -> tuple[str, ...] | None:
     """From the model's (flat) params: the collection module's path, or

@@ -22,8 +22,10 @@ from typing import Any, Callable, Sequence
 import haiku as hk
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from pallas_emb import exchange
+from pallas_emb import validation
 from pallas_emb.collection import CollectionState
 from pallas_emb.collection import EmbeddingCollection as Collection
 from pallas_emb.collection import StackState
@@ -34,6 +36,10 @@ from pallas_emb.validation import EmbeddingContext
 __all__ = ["Embed", "EmbeddingCollection", "shard_params"]
 
 Array = jax.Array
+
+
+def _positive_int(x) -> bool:
+  return isinstance(x, (int, np.integer)) and not isinstance(x, bool) and x > 0
 
 
 class Embed(hk.Module):
@@ -52,6 +58,8 @@ class Embed(hk.Module):
       clamped into `[0, vocab_size - 1]` -- the same rows `hk.Embed`'s
       default ARRAY_INDEX lookup returns, bit for bit, for every int32 id.
     * The output is sharded like the ids.
+    * `padding_id` (default None, as `hk.Embed`: every id trains): an id
+      that is looked up as usual but gets no gradient.
 
   Training: plain `jax.grad` works (the table's gradient is the dense
   scatter-add, O(vocab_size) memory) with any optax optimizer.
@@ -64,6 +72,7 @@ class Embed(hk.Module):
                w_init: hk.initializers.Initializer | None = None,
                dtype: Any = jnp.float32,
                backend: str | None = None,
+               padding_id: int | None = None,
                name: str | None = None):
     """Constructs the module.
 
@@ -75,6 +84,7 @@ class Embed(hk.Module):
       dtype: dtype of the table (float32 or bfloat16).
       backend: lookup backend ("pallas", "interpret", "xla"); None picks
         pallas on GPU and xla elsewhere.
+      padding_id: an id that gets no gradient (None: every id trains).
       name: module name (default "embed").
     """
     super().__init__(name=name)
@@ -83,7 +93,7 @@ class Embed(hk.Module):
           "pallas_emb.haiku.Embed ctx must be a pallas_emb.EmbeddingContext; "
           f"got {type(ctx).__name__}. Build one with "
           "pallas_emb.make_context(mesh, table_axis, ...).")
-    if not vocab_size or not embed_dim:
+    if not (_positive_int(vocab_size) and _positive_int(embed_dim)):
       raise InputError(
           "pallas_emb.haiku.Embed needs a positive vocab_size and embed_dim; "
           f"got vocab_size={vocab_size!r}, embed_dim={embed_dim!r}.")
@@ -98,9 +108,12 @@ class Embed(hk.Module):
     self.w_init = w_init or hk.initializers.TruncatedNormal()
     self.dtype = dtype
     self.backend = backend
+    validation.check_padding_id(padding_id)
+    self.padding_id = padding_id
 
   def _init(self, shape, dtype):
-    return exchange.place(self.w_init(shape, dtype), exchange.table_sharding(self.ctx))
+    return exchange.place(self.w_init(shape, dtype),
+                          exchange.table_sharding(self.ctx))
 
   @property
   def embeddings(self) -> Array:
@@ -111,12 +124,19 @@ class Embed(hk.Module):
     """Looks up `ids.shape + (embed_dim,)` embeddings, sharded like the ids."""
     ids = jnp.asarray(ids)
     if not jnp.issubdtype(ids.dtype, jnp.integer):
-      raise ValueError("pallas_emb.haiku.Embed's __call__ method must take an "
-                       "array of integer dtype but was called with an array "
-                       f"of {ids.dtype}")
+      # hk.Embed's sentence (a ValueError too), then how to fix it.
+      raise InputError(
+          "pallas_emb.haiku.Embed's __call__ method must take an array of "
+          f"integer dtype but was called with an array of {ids.dtype}; cast "
+          "the ids with ids.astype(jnp.int32).")
     if ids.dtype != jnp.int32:
       ids = ids.astype(jnp.int32)
-    return lookup(self.ctx, self.embeddings, ids, backend=self.backend)
+    out = lookup(self.ctx, self.embeddings, ids, backend=self.backend)
+    if self.padding_id is not None:
+      # Same values; the padding rows' cotangent is zero.
+      pad = (ids == self.padding_id)[..., None]
+      out = jnp.where(pad, jax.lax.stop_gradient(out), out)
+    return out
 
 
 class EmbeddingCollection(hk.Module):
@@ -164,8 +184,8 @@ def shard_params(ctx: EmbeddingContext, params: hk.Params,
   arrays, not tracers.
 
   Raises:
-    ValueError: when a named module has no "embeddings" param, or when no
-      table is found.
+    pallas_emb.InputError: when a named module has no "embeddings" param, or
+      when no table is found.
   """
   if isinstance(modules, str):
     modules = (modules,)
@@ -176,13 +196,13 @@ def shard_params(ctx: EmbeddingContext, params: hk.Params,
                if "embeddings" in p and jnp.ndim(p["embeddings"]) == 2
                and jnp.shape(p["embeddings"])[1] == ctx.emb_width]
     if not modules:
-      raise ValueError(
+      raise InputError(
           "pallas_emb.haiku.shard_params found no 'embeddings' param of width "
           f"{ctx.emb_width} (the context's emb_width) in modules "
           f"{sorted(params)}. Pass modules=... to name them.")
   for m in modules:
     if m not in params or "embeddings" not in params[m]:
-      raise ValueError(
+      raise InputError(
           f"pallas_emb.haiku.shard_params: module {m!r} has no 'embeddings' "
           f"param; modules with params are {sorted(params)}.")
     out[m]["embeddings"] = jax.device_put(params[m]["embeddings"], sharding)
