@@ -32,6 +32,17 @@ from pallas_emb.optim import apply_gradients
 from pallas_emb.optim import RowwiseAdagrad
 from pallas_emb.optim import RowwiseAdagradState
 from pallas_emb.optim import UpdateStats
+from pallas_emb.optimizers import Adagrad
+from pallas_emb.optimizers import AdagradState
+from pallas_emb.optimizers import Adam
+from pallas_emb.optimizers import AdamState
+from pallas_emb.optimizers import Ftrl
+from pallas_emb.optimizers import FtrlState
+from pallas_emb.optimizers import PartialRowwiseAdam
+from pallas_emb.optimizers import PartialRowwiseAdamState
+from pallas_emb.optimizers import Sgd
+from pallas_emb.optimizers import SgdState
+from pallas_emb.optimizers import SparseOptimizer
 from pallas_emb.pipeline import PipelineState
 from pallas_emb.pipeline import StepMetrics
 from pallas_emb.pipeline import Trainer
@@ -44,6 +55,10 @@ from pallas_emb.validation import single_shard_per_rank
 __version__ = "0.1.0"
 
 __all__ = [
+    "Adagrad",
+    "AdagradState",
+    "Adam",
+    "AdamState",
     "BACKENDS",
     "CheckpointError",
     "CollectionPlan",
@@ -54,15 +69,22 @@ __all__ = [
     "Error",
     "FILL_VALUE",
     "FeatureSpec",
+    "Ftrl",
+    "FtrlState",
     "HyperParameterError",
     "IdOutOfRangeError",
     "InputError",
+    "PartialRowwiseAdam",
+    "PartialRowwiseAdamState",
     "PipelineMisuse",
     "PipelineState",
     "Routing",
     "RowwiseAdagrad",
     "RowwiseAdagradState",
+    "Sgd",
+    "SgdState",
     "ShardingError",
+    "SparseOptimizer",
     "StackPlan",
     "StackRouting",
     "StackState",

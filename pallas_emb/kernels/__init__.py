@@ -20,9 +20,9 @@ from pallas_emb.kernels import common
 from pallas_emb.kernels import reference
 
 if TYPE_CHECKING:
-  from pallas_emb.kernels.adagrad import AdagradConfig
   from pallas_emb.kernels.gather import GatherConfig
   from pallas_emb.kernels.segment_sum import SegmentSumConfig
+  from pallas_emb.kernels.sparse_update import SparseUpdateConfig
 
 BACKENDS = ("pallas", "interpret", "xla")
 
@@ -37,12 +37,13 @@ class KernelConfig:
   """Tile configs of the three kernels; None = the shape heuristic.
 
   gather: `gather.GatherConfig` (lookup); segment_sum:
-  `segment_sum.SegmentSumConfig`; update: `adagrad.AdagradConfig`.
+  `segment_sum.SegmentSumConfig`; update:
+  `sparse_update.SparseUpdateConfig` (every optimizer's update kernel).
   Frozen and hashable, so it can be a static argument of a jit.
   """
   gather: GatherConfig | None = None
   segment_sum: SegmentSumConfig | None = None
-  update: AdagradConfig | None = None
+  update: SparseUpdateConfig | None = None
 
 
 def _pallas(backend: str) -> bool:
@@ -97,3 +98,38 @@ def adagrad_apply(table, row_state, last_step, unique_tokens, grad_accum,
                                learning_rate, hparams=hparams,
                                interpret=backend == "interpret",
                                config=config)
+
+
+def sparse_update_rows(rule, table, row_state, element_state,
+                       unique_tokens, grad_accum, row_sq, apply, step,
+                       scalars, *, emb_width, backend: str, config=None):
+  """An optimizer's fused update of the rows a batch used (DESIGN §12).
+
+  `rule` is the optimizer's `sparse_update.UpdateRule`; returns `(table,
+  row_state, element_state)`, the states as tuples in the rule's order.
+  """
+  if not _pallas(backend):
+    return reference.sparse_update(rule, table, row_state, element_state,
+                                   unique_tokens, grad_accum, row_sq, apply,
+                                   step, scalars, emb_width=emb_width)
+  from pallas_emb.kernels import sparse_update as kernel  # pylint: disable=g-import-not-at-top
+  return kernel.sparse_update(rule, table, row_state, element_state,
+                              unique_tokens, grad_accum, row_sq, apply, step,
+                              scalars, emb_width=emb_width,
+                              interpret=backend == "interpret",
+                              config=config)
+
+
+def pool_rows(table, rows, weights, bag_starts, *, max_len: int,
+              backend: str, config=None):
+  """`[M, S]` f32-accumulated weighted sums of the rows of CSR bags.
+
+  Bag m holds the entries `[bag_starts[m], bag_starts[m + 1])` (at most
+  `max_len`); the result is rounded once to the table dtype (DESIGN §11).
+  """
+  if not _pallas(backend):
+    return reference.pool_rows(table, rows, weights, bag_starts,
+                               max_len=max_len)
+  from pallas_emb.kernels import pool  # pylint: disable=g-import-not-at-top
+  return pool.pool_rows(table, rows, weights, bag_starts, max_len=max_len,
+                        config=config, interpret=backend == "interpret")

@@ -2,14 +2,17 @@
 
 Kernel-side helpers (tile heuristics, int32 offset checks, masked-store
 offsets, the Triton deprecation filter) sit next to the arithmetic that the
-kernels and the twins share (`adagrad_row_update`, `adagrad_new_values`).
+kernels and the twins share (`adagrad_row_update`, `adagrad_new_values`,
+`AdagradRule`) and the argument checks of the sparse update.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import warnings
+from typing import Any
 
 import chex
 import jax
@@ -167,9 +170,9 @@ def round_to(x: jax.Array, dtype) -> jax.Array:
   return x.astype(dtype).astype(jnp.float32)
 
 
-def check_adagrad_args(table, row_state, last_step, unique_tokens, grad_accum,
-                       row_sq, hparams) -> jax.Array:
-  """Shape/dtype checks shared by the Adagrad kernel and its twin.
+def check_update_args(rule, table, row_state, element_state, unique_tokens,
+                      grad_accum, row_sq, scalars) -> jax.Array:
+  """Shape/dtype checks shared by the update kernel and its twin.
 
   Returns `row_sq` as `[U]`: a trailing total slot (the `[U + 1]` output of
   the segment sum) is dropped.
@@ -177,28 +180,43 @@ def check_adagrad_args(table, row_state, last_step, unique_tokens, grad_accum,
   chex.assert_rank(table, 2)
   vocab_rows, width = table.shape
   if table.dtype not in (jnp.float32, jnp.bfloat16):
-    raise TypeError(f"pallas_emb adagrad_apply expects an f32 or bf16 table, "
+    raise TypeError(f"pallas_emb sparse_update expects an f32 or bf16 table, "
                     f"got {table.dtype}.")
-  chex.assert_type([row_state, grad_accum, row_sq],
-                   [jnp.float32, jnp.float32, jnp.float32])
+  for what, names, arrays in (("row", rule.row_slots, row_state),
+                              ("element", rule.element_slots, element_state)):
+    if len(arrays) != len(names):
+      raise ValueError(
+          f"pallas_emb sparse_update: {rule.kernel_name} has {what}-wise "
+          f"state {list(names)}, got {len(arrays)} arrays.")
+  for array in row_state:
+    chex.assert_shape(array, (vocab_rows,))
+    if array.dtype not in (jnp.float32, jnp.int32):
+      raise TypeError(f"pallas_emb sparse_update: row-wise state must be "
+                      f"f32 or int32, got {array.dtype}.")
+  for array in element_state:
+    chex.assert_shape(array, (vocab_rows, width))
+    chex.assert_type(array, jnp.float32)
+  chex.assert_type([grad_accum, row_sq], [jnp.float32, jnp.float32])
   chex.assert_type(unique_tokens, jnp.int32)
-  chex.assert_shape(row_state, (vocab_rows,))
   chex.assert_rank(unique_tokens, 1)
   (num_unique,) = unique_tokens.shape
   chex.assert_shape(grad_accum, (num_unique, width))
   if row_sq.shape == (num_unique + 1,):
     row_sq = row_sq[:num_unique]
   chex.assert_shape(row_sq, (num_unique,))
-  if hparams.lazy:
-    if last_step is None:
-      raise ValueError("pallas_emb adagrad_apply: lazy hparams need a "
-                       "last_step array, got None.")
-    chex.assert_type(last_step, jnp.int32)
-    chex.assert_shape(last_step, (vocab_rows,))
-  elif last_step is not None:
+  for s in scalars:
+    chex.assert_shape(s, ())
+  return row_sq
+
+
+def check_adagrad_args(last_step, hparams) -> None:
+  """The row-wise Adagrad entry points' own check: last_step iff lazy."""
+  if hparams.lazy and last_step is None:
+    raise ValueError("pallas_emb adagrad_apply: lazy hparams need a "
+                     "last_step array, got None.")
+  if not hparams.lazy and last_step is not None:
     raise ValueError("pallas_emb adagrad_apply: eager hparams (lazy=False) "
                      "take last_step=None; pass lazy=True to use it.")
-  return row_sq
 
 
 def unfused_product(x: jax.Array, y: jax.Array) -> jax.Array:
@@ -246,6 +264,40 @@ def adagrad_new_values(values, wd, lr_scale, grad, dtype) -> jax.Array:
   decayed = round_to(unfused_product(values, wd), dtype)
   delta = round_to(unfused_product(lr_scale, round_to(grad, dtype)), dtype)
   return (decayed + delta).astype(dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class AdagradRule:
+  """Row-wise Adagrad (DESIGN §4.5) as a `sparse_update.UpdateRule`.
+
+  Row-wise state `row_state` (+ `last_step` in lazy mode), no element-wise
+  state; the one scalar is the learning rate. A row without gradient is
+  still updated: its accumulator decays (eager mode) as §4 says.
+  """
+  hparams: Any  # hparams.AdagradHParams
+  kernel_name: str = "pallas_emb_adagrad"
+  element_slots: tuple[str, ...] = ()
+  updates_zero_rows: bool = True
+
+  @property
+  def row_slots(self) -> tuple[str, ...]:
+    return ("row_state", "last_step") if self.hparams.lazy else (
+        "row_state",)
+
+  def row_update(self, row, row_sq, step, scalars, emb_width):
+    del emb_width  # hparams.inv_width
+    accum, wd, lr_scale = adagrad_row_update(
+        row["row_state"], row.get("last_step"), row_sq, step, scalars[0],
+        self.hparams)
+    new = {"row_state": accum}
+    if self.hparams.lazy:
+      new["last_step"] = jnp.broadcast_to(step, row_sq.shape)
+    return new, (wd, lr_scale)
+
+  def column_update(self, coeffs, values, grad, element, scalars, dtype):
+    del element, scalars
+    wd, lr_scale = coeffs
+    return adagrad_new_values(values, wd, lr_scale, grad, dtype), {}
 
 
 def row_square_sums(grad_accum: jax.Array, round_dtype) -> jax.Array:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from pallas_emb.kernels import common
 
@@ -34,44 +35,58 @@ def segment_sum_rows(grads: jax.Array, segment_ids: jax.Array,
   return accum, common.row_square_sums(accum, round_dtype)
 
 
-def adagrad_apply(table, row_state, last_step, unique_tokens, grad_accum,
-                  row_sq, apply, step, learning_rate, *, hparams):
-  """Twin of `adagrad.adagrad_apply`: gather the touched rows, update, scatter.
+def sparse_update(rule, table, row_state, element_state, unique_tokens,
+                  grad_accum, row_sq, apply, step, scalars, *,
+                  emb_width=None):
+  """Twin of `sparse_update.sparse_update`: gather the touched rows, update
+  them with the rule's functions, scatter.
 
-  Skipped slots (apply false, fill values, tokens outside the table) scatter
-  to row V, which `mode="drop"` drops, so under donation XLA updates the
-  buffers in place. A bf16 table is scattered through a uint16 view: XLA:CPU
-  would otherwise convert the whole table to f32 and back for the scatter
-  (an f32 temporary twice the table's size). Known limit (jax 0.10): XLA:CPU
-  still runs the two same-width `bitcast-convert`s as loops over the table,
-  so a bf16 step costs two table-sized passes on CPU where an f32 table
-  costs O(U * S); GPU and the Pallas kernel are not affected.
+  Skipped slots (apply false, fill values, tokens outside the table, rows
+  without gradient unless `rule.updates_zero_rows`) scatter to row V, which
+  `mode="drop"` drops, so under donation XLA updates the buffers in place.
+  Every state scatter writes `where(ok, new, old)` of the gathered rows:
+  the same values (skipped slots are dropped anyway), but the scatter then
+  depends on the gather, which orders the gather first; otherwise XLA copies
+  an array whose new values do not read it (an int32 `last_step`). A bf16
+  table is scattered through a uint16 view: XLA:CPU would otherwise convert
+  the whole table to f32 and back for the scatter (an f32 temporary twice
+  the table's size). Known limit (jax 0.10): XLA:CPU still runs the two
+  same-width `bitcast-convert`s as loops over the table, so a bf16 step
+  costs two table-sized passes on CPU where an f32 table costs O(U * S);
+  GPU and the Pallas kernel are not affected.
   """
+  row_state, element_state = tuple(row_state), tuple(element_state)
+  scalars = tuple(jnp.asarray(s, jnp.float32) for s in scalars)
   vocab_rows, _ = table.shape
-  row_sq = common.check_adagrad_args(table, row_state, last_step,
-                                     unique_tokens, grad_accum, row_sq,
-                                     hparams)
+  row_sq = common.check_update_args(
+      rule, table, row_state, element_state, unique_tokens, grad_accum,
+      row_sq, scalars)
   tokens = common.wrap_once(unique_tokens, vocab_rows)
   ok = (jnp.asarray(apply, jnp.bool_) & (tokens >= 0)
         & (tokens < vocab_rows))
+  if not rule.updates_zero_rows:
+    ok = ok & (row_sq > 0)
   rows = jnp.where(ok, tokens, 0)
   dest = jnp.where(ok, tokens, vocab_rows)
 
-  last = None if last_step is None else last_step[rows]
-  accum, wd, lr_scale = common.adagrad_row_update(
-      row_state[rows], last, row_sq, step, learning_rate, hparams)
-  new_rows = common.adagrad_new_values(
-      table[rows].astype(jnp.float32), wd[:, None], lr_scale[:, None],
-      grad_accum, table.dtype)
+  row = {name: a[rows] for name, a in zip(rule.row_slots, row_state)}
+  new_row, coeffs = rule.row_update(row, row_sq, step, scalars, emb_width)
+  element = {name: a[rows] for name, a in zip(rule.element_slots,
+                                               element_state)}
+  new_rows, new_element = rule.column_update(
+      tuple(c[:, None] for c in coeffs), table[rows].astype(jnp.float32),
+      grad_accum, element, scalars, table.dtype)
 
-  row_state = row_state.at[dest].set(accum, mode="drop")
-  if last_step is not None:
-    # The new values must depend on the gathered `last`, or nothing orders
-    # the gather before the in-place scatter and XLA copies the array.
-    # Slots that are not `ok` scatter to row V and are dropped, so this is
-    # exactly `last_step[t] = step`.
-    last_step = last_step.at[dest].set(
-        jnp.where(ok, jnp.asarray(step, jnp.int32), last), mode="drop")
+  def scatter(array, name, new, old):
+    keep = ok if old.ndim == 1 else ok[:, None]
+    return array.at[dest].set(
+        jnp.where(keep, new[name].astype(array.dtype), old), mode="drop")
+
+  row_state = tuple(scatter(a, n, new_row, row[n])
+                    for n, a in zip(rule.row_slots, row_state))
+  element_state = tuple(scatter(a, n, new_element, element[n])
+                        for n, a in zip(rule.element_slots, element_state))
+  new_rows = new_rows.astype(table.dtype)
   if table.dtype == jnp.float32:
     table = table.at[dest].set(new_rows, mode="drop")
   else:
@@ -80,4 +95,43 @@ def adagrad_apply(table, row_state, last_step, unique_tokens, grad_accum,
         jax.lax.bitcast_convert_type(table, bits).at[dest].set(
             jax.lax.bitcast_convert_type(new_rows, bits), mode="drop"),
         table.dtype)
-  return table, row_state, last_step
+  return table, row_state, element_state
+
+
+def adagrad_apply(table, row_state, last_step, unique_tokens, grad_accum,
+                  row_sq, apply, step, learning_rate, *, hparams):
+  """Twin of `adagrad.adagrad_apply`: `sparse_update` with its rule."""
+  common.check_adagrad_args(last_step, hparams)
+  rule = common.AdagradRule(hparams)
+  table, rows, _ = sparse_update(
+      rule, table, (row_state,) + (() if last_step is None else (last_step,)),
+      (), unique_tokens, grad_accum, row_sq, apply, step, (learning_rate,))
+  return table, rows[0], rows[1] if hparams.lazy else None
+
+
+def pool_rows(table, rows, weights, bag_starts, *, max_len: int):
+  """Twin of `pool.pool_rows`: the same sums in the same order.
+
+  One gather of `[M, S]` rows per entry position `k < max_len`, added in
+  order, so it equals the kernel bit for bit.
+  """
+  vocab_rows, width = table.shape
+  num_bags = bag_starts.shape[0] - 1
+  start, end = bag_starts[:-1], bag_starts[1:]
+  weights = weights.astype(jnp.float32)
+
+  def add_entry(k, acc):
+    entry = start + k
+    ok = entry < end
+    entry = jnp.where(ok, entry, 0)
+    row = common.wrap_and_clamp(jnp.take(rows, entry, mode="clip"),
+                                vocab_rows)
+    values = jnp.take(table, row, axis=0, mode="clip").astype(jnp.float32)
+    product = common.unfused_product(
+        jnp.take(weights, entry, mode="clip")[:, None], values)
+    # A masked lane of the kernel adds 0 * 0 (its loads give 0).
+    return acc + jnp.where(ok[:, None], product, 0.0)
+
+  acc = lax.fori_loop(0, max_len, add_entry,
+                      jnp.zeros((num_bags, width), jnp.float32))
+  return acc.astype(table.dtype)
