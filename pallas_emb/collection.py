@@ -40,13 +40,10 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from pallas_emb import exchange
 from pallas_emb import kernels
 from pallas_emb import optim
+from pallas_emb import stack as stack_lib
 from pallas_emb import validation
 from pallas_emb.errors import InputError
-from pallas_emb.dedup import FILL_VALUE
-from pallas_emb.dedup import unique_and_segments
 from pallas_emb.errors import UniqueOverflowError
-from pallas_emb.lookup import dense_table_grad
-from pallas_emb.lookup import serve_rows
 from pallas_emb.validation import EmbeddingContext
 
 Initializer = Callable[..., jax.Array]
@@ -154,13 +151,25 @@ class FeatureSpec:
     if not _name_ok(self.table):
       raise InputError(f"pallas_emb FeatureSpec {self.name!r} table="
                        f"{self.table!r} must name a TableSpec.")
-    if self.combiner is not None:
-      raise NotImplementedError(
-          f"pallas_emb FeatureSpec {self.name!r}: pooled features "
-          "(combiner=...) are not implemented yet.")
-    if self.weighted:
+    if self.combiner is not None and self.combiner not in COMBINERS:
+      raise InputError(
+          f"pallas_emb FeatureSpec {self.name!r} combiner={self.combiner!r}; "
+          f"expected None (a sequence feature) or one of {COMBINERS}.")
+    if self.weighted and self.combiner is None:
       raise InputError(f"pallas_emb FeatureSpec {self.name!r} weighted=True "
                        "needs a combiner ('sum', 'mean' or 'sqrtn').")
+
+
+class Bag(NamedTuple):
+  """The ids `[B, L]` of a pooled feature, with what marks the real ones.
+
+  weights: f32 `[B, L]` per-id weights (a weighted feature); 0 = padding.
+  lengths: int `[B]` valid ids per example (the first `lengths[b]`).
+  Without either, the table's padding id (if any) marks the padding.
+  """
+  ids: Any
+  weights: Any = None
+  lengths: Any = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -237,20 +246,7 @@ class CollectionState(NamedTuple):
   stacks: dict[str, StackState]
 
 
-class StackRouting(NamedTuple):
-  """How one batch's ids of a stack map onto unique rows.
-
-  unique_tokens: int32 `[U]` sorted unique stacked rows, FILL_VALUE padded;
-    replicated.
-  segments: int32, per rank `[W * T]`: the unique slot of every id of the
-    communicator (the all-gathered order), -1 for none; laid out over the
-    token axes.
-  num_distinct, num_overflow: int32 scalars (see `dedup`).
-  """
-  unique_tokens: jax.Array
-  segments: jax.Array
-  num_distinct: jax.Array
-  num_overflow: jax.Array
+StackRouting = stack_lib.StackRouting
 
 
 @functools.partial(jax.tree_util.register_dataclass,
@@ -264,28 +260,6 @@ class Routing:
   """
   stacks: dict[str, StackRouting]
   shapes: tuple[tuple[str, tuple[int, ...]], ...]
-
-
-# --- per-call layout ---------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class _FeatureCall:
-  """A feature's part of a stack in one call (static)."""
-  name: str
-  row_offset: int
-  vocab_rows: int
-  padding_id: int | None
-  shape: tuple[int, ...]  # global ids shape
-  local_size: int         # ids per rank
-
-
-@dataclasses.dataclass(frozen=True)
-class _StackCall:
-  """A stack in one call: its layout as an EmbeddingContext (static)."""
-  plan: StackPlan
-  ctx: EmbeddingContext
-  features: tuple[_FeatureCall, ...]
 
 
 class EmbeddingCollection:
@@ -460,8 +434,9 @@ class EmbeddingCollection:
 
   # --- per-call checks ----------------------------------------------------------
 
-  def _ids(self, batch: Mapping[str, Any]) -> dict[str, jax.Array]:
-    """Every feature's ids, converted and checked (before tracing)."""
+  def _inputs(self, batch: Mapping[str, Any]):
+    """`(ids, weights)`: every feature's ids and every pooled feature's
+    combiner input weights, converted and checked (before tracing)."""
     if not isinstance(batch, Mapping):
       raise InputError(
           f"pallas_emb collection batch is a {type(batch).__name__}; "
@@ -471,23 +446,30 @@ class EmbeddingCollection:
       raise InputError(
           f"pallas_emb collection batch has no ids for features {missing}; "
           f"it has keys {sorted(batch)}. Give every feature's ids.")
-    ids = {}
-    for name in self.features:
-      value = validation.as_ids(batch[name], f"batch[{name!r}]")
-      validation.check_leading_dim(value.shape, self.group_size,
-                                   self.num_replicas,
-                                   f"batch[{name!r}]")
-      ids[name] = value
-    return ids
+    ids, weights = {}, {}
+    for name, spec in self.features.items():
+      value = batch[name]
+      bag = value if isinstance(value, Bag) else Bag(value)
+      if spec.combiner is None and isinstance(value, Bag):
+        raise InputError(
+            f"pallas_emb batch[{name!r}] is a Bag, but feature {name!r} is a "
+            "sequence feature (no combiner); pass its ids as an array.")
+      x = validation.as_ids(bag.ids, f"batch[{name!r}]")
+      validation.check_leading_dim(x.shape, self.group_size,
+                                   self.num_replicas, f"batch[{name!r}]")
+      ids[name] = x
+      if spec.combiner is not None:
+        weights[name] = _bag_weights(spec, bag, batch, x)
+    return ids, weights
 
   def _calls(self, shapes: tuple[tuple[str, tuple[int, ...]], ...]
-             ) -> tuple[_StackCall, ...]:
+             ) -> tuple[stack_lib.StackCall, ...]:
     """The per-stack layout of a batch with these ids shapes (cached)."""
     if shapes not in self._calls_cache:
       self._calls_cache[shapes] = self._make_calls(dict(shapes))
     return self._calls_cache[shapes]
 
-  def _make_calls(self, shapes) -> tuple[_StackCall, ...]:
+  def _make_calls(self, shapes) -> tuple[stack_lib.StackCall, ...]:
     shards = self.group_size * self.num_replicas
     calls = []
     for stack in self.plan.stacks:
@@ -496,12 +478,16 @@ class EmbeddingCollection:
         spec = self.features[name]
         i = stack.tables.index(spec.table)
         table = self.tables[spec.table]
-        size = math.prod(shapes[name])
-        feats.append(_FeatureCall(
+        feats.append(stack_lib.FeatureCall(
             name=name, row_offset=stack.row_offsets[i],
             vocab_rows=table.vocab_rows, padding_id=table.padding_id,
-            shape=tuple(shapes[name]), local_size=size // shards))
-        bounds[table.name] = bounds.get(table.name, 0) + size
+            shape=tuple(shapes[name]), combiner=spec.combiner,
+            local_examples=shapes[name][0] // shards))
+        bounds[table.name] = bounds.get(table.name, 0) + math.prod(
+            shapes[name])
+      # Sequence features first: their ids are gathered, pooled ones pooled.
+      feats = ([f for f in feats if not f.pooled] +
+               [f for f in feats if f.pooled])
       # A table's distinct rows in one batch are at most its ids and its
       # rows (padding takes no slot): their sum never overflows; a table's
       # max_unique caps its share.
@@ -509,17 +495,19 @@ class EmbeddingCollection:
           min(count, self.tables[t].vocab_rows,
               self.tables[t].max_unique or count)
           for t, count in bounds.items()))
-      tokens = sum(f.local_size for f in feats) * shards
+      rows = sum(f.local_rows for f in feats)
       ctx = EmbeddingContext(
           mesh=self.mesh, table_axis=self.table_axis,
           data_axis=self.data_axis, group_size=self.group_size,
-          tokens_per_batch=tokens, tokens_per_rank=tokens // shards,
+          tokens_per_batch=rows * shards, tokens_per_rank=rows,
           emb_width=stack.emb_width,
           shard_width=stack.emb_width // self.group_size,
           num_unique=num_unique, num_devices_per_node=jax.local_device_count(),
           replica_axis=self.replica_axis, padding_id=None)
-      _check_offsets(ctx, stack)
-      calls.append(_StackCall(stack, ctx, tuple(feats)))
+      call = stack_lib.StackCall(stack.name, stack.optimizer, ctx,
+                                 tuple(feats))
+      _check_offsets(call, stack)
+      calls.append(call)
     return tuple(calls)
 
   def _shapes(self, ids: Mapping[str, jax.Array]):
@@ -541,47 +529,57 @@ class EmbeddingCollection:
 
   def lookup(self, state: CollectionState, batch: Mapping[str, Any]
              ) -> dict[str, jax.Array]:
-    """`{feature: embeddings}`, each `ids.shape + (emb_width,)`.
+    """`{feature: embeddings}`: `ids.shape + (emb_width,)` for a sequence
+    feature, `[B, emb_width]` for a pooled one.
 
     Differentiable w.r.t. the state's tables: the cotangent is the dense
-    scatter-add (right for plain `jax.grad` + optax, O(rows) memory);
-    `apply_gradients` is the sparse path.
+    scatter-add (right for plain `jax.grad` + optax, O(rows) memory) and,
+    like the sparse update, gives nothing to padding and to ids outside
+    their table; `apply_gradients` is the sparse path.
     """
-    ids = self._ids(batch)
+    ids, weights = self._inputs(batch)
     calls = self._calls(self._shapes(ids))
     outs = _collection_lookup(self, calls, self._tables(state),
-                              self._placed(ids))
+                              self._placed(ids), self._placed_weights(weights))
     return dict(zip(self.features, outs))
 
   def lookup_and_route(self, state: CollectionState, batch
                        ) -> tuple[dict[str, jax.Array], Routing]:
     """The embeddings and the routing their update needs, from one all-gather
     of the ids per stack (what the `Trainer` calls)."""
-    ids = self._ids(batch)
+    ids, weights = self._inputs(batch)
     shapes = self._shapes(ids)
     calls = self._calls(shapes)
-    fn = functools.partial(_lookup_per_rank, self.backend,
-                           tuple(self.features), calls, route=True)
+    fn = functools.partial(_lookup_per_rank, self.backend, self._order(),
+                           calls, route=True)
     outs, routings = exchange.shard(
         calls[0].ctx, fn,
-        in_specs=(self._table_specs(), self._feature_specs()),
+        in_specs=(self._table_specs(), self._feature_specs(),
+                  self._pooled_specs()),
         out_specs=(self._feature_specs(), self._routing_specs()),
-    )(self._tables(state), self._placed(ids))
+    )(self._tables(state), self._placed(ids), self._placed_weights(weights))
     return (dict(zip(self.features, outs)),
             Routing(dict(zip((s.name for s in self.plan.stacks), routings)),
                     shapes))
 
   def route(self, batch) -> Routing:
     """The routing of a batch alone (its ids' all-gather and dedup)."""
-    ids = self._ids(batch)
+    ids, weights = self._inputs(batch)
     shapes = self._shapes(ids)
     calls = self._calls(shapes)
-    fn = functools.partial(_route_per_rank, tuple(self.features), calls)
+    fn = functools.partial(_route_per_rank, self._order(), calls)
     routings = exchange.shard(
-        calls[0].ctx, fn, in_specs=(self._feature_specs(),),
-        out_specs=self._routing_specs())(self._placed(ids))
+        calls[0].ctx, fn,
+        in_specs=(self._feature_specs(), self._pooled_specs()),
+        out_specs=self._routing_specs())(self._placed(ids),
+                                         self._placed_weights(weights))
     return Routing(dict(zip((s.name for s in self.plan.stacks), routings)),
                    shapes)
+
+  def _order(self):
+    """(feature names, pooled feature names), the orders of the inputs."""
+    return (tuple(self.features),
+            tuple(n for n, f in self.features.items() if f.combiner))
 
   def _table_specs(self):
     return tuple(self._table_spec() for _ in self.plan.stacks)
@@ -589,8 +587,16 @@ class EmbeddingCollection:
   def _feature_specs(self):
     return tuple(self._token_spec() for _ in self.features)
 
+  def _pooled_specs(self):
+    return tuple(self._token_spec() for _ in self._order()[1])
+
+  def _placed_weights(self, weights) -> tuple[jax.Array, ...]:
+    return tuple(exchange.place(weights[name], self.token_sharding())
+                 for name in self._order()[1])
+
   def _routing_specs(self):
-    return tuple(StackRouting(P(), self._token_spec(), P(), P())
+    tokens = self._token_spec()
+    return tuple(stack_lib.StackRouting(P(), tokens, tokens, P(), P())
                  for _ in self.plan.stacks)
 
   # --- update ---------------------------------------------------------------
@@ -645,8 +651,8 @@ class EmbeddingCollection:
     out = {}
     for name, spec in self.features.items():
       width = self.tables[spec.table].emb_width
-      validation.check_grads_array(emb_grads[name],
-                                   tuple(shapes[name]) + (width,),
+      rows = shapes[name][:1] if spec.combiner else shapes[name]
+      validation.check_grads_array(emb_grads[name], tuple(rows) + (width,),
                                    f"emb_grads[{name!r}]")
       out[name] = emb_grads[name]
     return out
@@ -664,11 +670,14 @@ class EmbeddingCollection:
             "max_unique of these tables.")
 
 
-def _check_offsets(ctx: EmbeddingContext, stack: StackPlan) -> None:
+def _check_offsets(call: stack_lib.StackCall, stack: StackPlan) -> None:
   """Flat offsets of the stack's per-rank arrays fit int32 (before tracing)."""
-  for what, size in (("table shard", stack.total_rows * ctx.shard_width),
-                     ("gathered rows", ctx.group_size * ctx.tokens_per_rank
-                      * ctx.shard_width)):
+  ctx = call.ctx
+  for what, size in (
+      ("table shard", stack.total_rows * ctx.shard_width),
+      ("gathered rows", ctx.group_size * call.entries * ctx.shard_width),
+      ("exchanged rows", ctx.group_size * ctx.tokens_per_rank
+       * ctx.shard_width)):
     if size > MAX_INT32:
       raise InputError(
           f"pallas_emb {stack.name} {what} has {size} elements per rank, "
@@ -703,6 +712,52 @@ def _check_specs(tables, features) -> None:
     raise InputError(
         f"pallas_emb EmbeddingCollection tables {unread} are read by no "
         "feature; add a FeatureSpec for each, or drop them.")
+
+
+def _bag_weights(spec: FeatureSpec, bag: Bag, batch, ids) -> jax.Array:
+  """The input weights `[B, L]` of a pooled feature's bags (before tracing).
+
+  From `bag.weights` or `batch[name + "_weights"]` (a weighted feature),
+  else from `bag.lengths` (the first lengths[b] ids are real), else ones
+  (the table's padding id, if any, is zeroed later, per rank).
+  """
+  name = spec.name
+  if ids.ndim != 2:
+    raise InputError(
+        f"pallas_emb batch[{name!r}] has shape {tuple(ids.shape)}; pooled "
+        f"feature {name!r} ({spec.combiner}) takes bags [batch, max_len]. "
+        "Pad ragged bags with pe.pad_ragged.")
+  weights = bag.weights
+  if weights is None and spec.weighted:
+    weights = batch.get(name + "_weights")
+    if weights is None:
+      raise InputError(
+          f"pallas_emb feature {name!r} is weighted but the batch has no "
+          f"{name + '_weights'!r} and batch[{name!r}] is not a pe.Bag with "
+          "weights; give the per-id weights [batch, max_len].")
+  elif weights is not None and not spec.weighted:
+    raise InputError(
+        f"pallas_emb feature {name!r} got weights but its FeatureSpec has "
+        "weighted=False; set weighted=True, or pass lengths instead.")
+  if weights is not None:
+    if not hasattr(weights, "shape"):
+      weights = np.asarray(weights, np.float32)
+    if tuple(weights.shape) != tuple(ids.shape) or not jnp.issubdtype(
+        weights.dtype, jnp.floating):
+      raise InputError(
+          f"pallas_emb weights of feature {name!r} are "
+          f"{np.dtype(weights.dtype).name}{list(weights.shape)}; expected "
+          f"float weights of the ids' shape {list(ids.shape)}.")
+    return jnp.asarray(weights, jnp.float32)
+  if bag.lengths is not None:
+    lengths = validation.as_ids(bag.lengths, f"lengths of feature {name!r}")
+    if tuple(lengths.shape) != tuple(ids.shape[:1]):
+      raise InputError(
+          f"pallas_emb lengths of feature {name!r} have shape "
+          f"{tuple(lengths.shape)}; expected ({ids.shape[0]},), one per "
+          "example.")
+    return (jnp.arange(ids.shape[1]) < lengths[:, None]).astype(jnp.float32)
+  return jnp.ones(ids.shape, jnp.float32)
 
 
 def _check_names(mapping, expected, what) -> None:
@@ -743,23 +798,40 @@ def _concat_rows(arrays, sharding) -> jax.Array:
 # --- per rank ------------------------------------------------------------------
 
 
-def _local_keys(call: _StackCall, ids: Sequence[jax.Array]) -> jax.Array:
-  """This rank's ids of a stack as stacked rows, `[T]` int32.
+def _per_stack(coll_order, calls, all_ids, all_weights):
+  """Per stack (in plan order): `(call, its features' ids, the combiner
+  weights of its pooled features)`, from the collection-ordered inputs."""
+  order, pooled_order = coll_order
+  ids_by = dict(zip(order, all_ids))
+  weights_by = dict(zip(pooled_order, all_weights))
+  for call in calls:
+    ids = [ids_by[f.name] for f in call.features]
+    weights = [stack_lib.combiner_weights(f, ids_by[f.name],
+                                          weights_by[f.name])
+               for f in call.pooled]
+    yield call, ids, weights
 
-  A key `k >= 0` is a row that is looked up and updated; `k < 0` encodes
-  the row `~k` that is looked up (clamped) but gets no gradient (padding,
-  or outside its table after one wrap). One all-gather carries both.
-  """
-  parts = []
-  for feature, x in zip(call.features, ids):
-    x = x.reshape(-1)
-    wrapped = jnp.where(x < 0, x + feature.vocab_rows, x)
-    row = feature.row_offset + jnp.clip(wrapped, 0, feature.vocab_rows - 1)
-    trains = (wrapped >= 0) & (wrapped < feature.vocab_rows)
-    if feature.padding_id is not None:
-      trains &= x != feature.padding_id
-    parts.append(jnp.where(trains, row, ~row))
-  return jnp.concatenate(parts) if len(parts) > 1 else parts[0]
+
+def _lookup_per_rank(backend, coll_order, calls, tables, all_ids,
+                     all_weights, route):
+  """Embeddings of every feature (collection order) [+ each stack's routing]."""
+  outs, routings = {}, []
+  for (call, ids, weights), table in zip(
+      _per_stack(coll_order, calls, all_ids, all_weights), tables):
+    keys_all, weights_all = stack_lib.gather_entries(call, ids, weights)
+    embs = stack_lib.serve(call, backend, table, keys_all, weights_all)
+    outs.update(zip((f.name for f in call.features), embs))
+    if route:
+      routings.append(stack_lib.route(call, keys_all, weights_all))
+  embeddings = tuple(outs[name] for name in coll_order[0])
+  return (embeddings, tuple(routings)) if route else embeddings
+
+
+def _route_per_rank(coll_order, calls, all_ids, all_weights):
+  return tuple(
+      stack_lib.route(call, *stack_lib.gather_entries(call, ids, weights))
+      for call, ids, weights in _per_stack(coll_order, calls, all_ids,
+                                           all_weights))
 
 
 def _by_stack(order, calls, values):
@@ -768,124 +840,60 @@ def _by_stack(order, calls, values):
   return [[by_name[f.name] for f in call.features] for call in calls]
 
 
-def _split(call: _StackCall, rows: jax.Array) -> list[jax.Array]:
-  """This rank's `[T, D]` rows of a stack -> one array per feature."""
-  shards = call.ctx.group_size * call.ctx.num_replicas
-  out, start = [], 0
-  for feature in call.features:
-    local_shape = (feature.shape[0] // shards,) + feature.shape[1:]
-    out.append(rows[start:start + feature.local_size].reshape(
-        local_shape + rows.shape[-1:]))
-    start += feature.local_size
-  return out
-
-
-def _concat_grads(call: _StackCall, grads) -> jax.Array:
-  """This rank's per-feature gradients of a stack -> `[T, D]`."""
-  flat = [g.reshape(-1, g.shape[-1]) for g in grads]
-  return jnp.concatenate(flat) if len(flat) > 1 else flat[0]
-
-
-def _gathered_keys(call: _StackCall, ids) -> jax.Array:
-  return exchange.all_gather_ids(call.ctx, _local_keys(call, ids))
-
-
-def _rows_of(keys_all: jax.Array) -> jax.Array:
-  """The row each key looks up (see `_local_keys`)."""
-  return jnp.where(keys_all < 0, ~keys_all, keys_all)
-
-
-def _routing(call: _StackCall, keys_all) -> StackRouting:
-  """Dedup of the communicator's keys (global over replicas)."""
-  ctx = call.ctx
-  keys = jnp.where(keys_all < 0, FILL_VALUE, keys_all)
-  if ctx.replica_axis:
-    keys = lax.all_gather(keys, exchange.axis_name(ctx.replica_axis),
-                          axis=0, tiled=True)
-  unique, segments, distinct, overflow = unique_and_segments(
-      keys, ctx.num_unique)
-  if ctx.replica_axis:
-    n = keys_all.shape[0]
-    replica = lax.axis_index(exchange.axis_name(ctx.replica_axis))
-    segments = lax.dynamic_slice_in_dim(segments, replica * n, n)
-  return StackRouting(unique, segments, distinct, overflow)
-
-
-def _lookup_per_rank(backend, order, calls, tables, all_ids, route):
-  """Embeddings of every feature (collection order) [+ each stack's routing]."""
-  outs, routings = {}, []
-  for call, table, ids in zip(calls, tables, _by_stack(order, calls,
-                                                         all_ids)):
-    keys_all = _gathered_keys(call, ids)
-    served = serve_rows(call.ctx, backend, table,
-                                   _rows_of(keys_all))
-    for feature, emb in zip(call.features, _split(call, served)):
-      outs[feature.name] = emb
-    if route:
-      routings.append(_routing(call, keys_all))
-  embeddings = tuple(outs[name] for name in order)
-  return (embeddings, tuple(routings)) if route else embeddings
-
-
-def _route_per_rank(order, calls, all_ids):
-  return tuple(_routing(call, _gathered_keys(call, ids))
-               for call, ids in zip(calls, _by_stack(order, calls, all_ids)))
-
-
 def _apply_per_rank(backend, order, calls, states, routings, all_grads,
                     pending):
   new_states, stats = [], []
   for call, state, routing, grads in zip(
       calls, states, routings, _by_stack(order, calls, all_grads)):
-    routed = exchange.route_gradients(call.ctx, _concat_grads(call, grads))
-    table, opt_state, stack_stats = optim.update_from_routed(
-        call.ctx, call.plan.optimizer, backend, state.table, state.opt_state,
-        routed, routing.segments, routing.unique_tokens, pending,
-        routing.num_overflow)
+    table, opt_state, stack_stats = stack_lib.update(
+        call, backend, state.table, state.opt_state, routing, grads, pending)
     new_states.append(StackState(table, opt_state))
     stats.append(stack_stats)
   return tuple(new_states), tuple(stats)
 
 
-def _dense_grads_per_rank(order, calls, tables, all_ids, all_cotangents):
+def _dense_grads_per_rank(coll_order, calls, tables, all_ids, all_weights,
+                          all_cotangents):
   """The dense scatter-add cotangent of every stack table."""
-  out = []
-  for call, table, ids, cts in zip(calls, tables,
-                                    _by_stack(order, calls, all_ids),
-                                    _by_stack(order, calls, all_cotangents)):
-    keys_all = _gathered_keys(call, ids)
-    routed = exchange.route_gradients(call.ctx, _concat_grads(call, cts))
-    out.append(dense_table_grad(call.ctx, table, _rows_of(keys_all),
-                                           routed))
-  return tuple(out)
+  cts = _by_stack(coll_order[0], calls, all_cotangents)
+  return tuple(
+      stack_lib.dense_grad(call, table,
+                           *stack_lib.gather_entries(call, ids, weights),
+                           stack_cts)
+      for (call, ids, weights), table, stack_cts in zip(
+          _per_stack(coll_order, calls, all_ids, all_weights), tables, cts))
 
 
 # --- the differentiable lookup ----------------------------------------------------
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _collection_lookup(coll, calls, tables, all_ids):
-  order = tuple(coll.features)
-  fn = functools.partial(_lookup_per_rank, coll.backend, order, calls,
+def _collection_lookup(coll, calls, tables, all_ids, all_weights):
+  fn = functools.partial(_lookup_per_rank, coll.backend, coll._order(), calls,
                          route=False)
   return exchange.shard(
-      calls[0].ctx, fn, in_specs=(coll._table_specs(), coll._feature_specs()),
-      out_specs=coll._feature_specs())(tables, all_ids)
+      calls[0].ctx, fn,
+      in_specs=(coll._table_specs(), coll._feature_specs(),
+                coll._pooled_specs()),
+      out_specs=coll._feature_specs())(tables, all_ids, all_weights)
 
 
-def _collection_lookup_fwd(coll, calls, tables, all_ids):
-  return _collection_lookup(coll, calls, tables, all_ids), (tables, all_ids)
+def _collection_lookup_fwd(coll, calls, tables, all_ids, all_weights):
+  return (_collection_lookup(coll, calls, tables, all_ids, all_weights),
+          (tables, all_ids, all_weights))
 
 
 def _collection_lookup_bwd(coll, calls, residuals, cotangents):
-  tables, all_ids = residuals
-  fn = functools.partial(_dense_grads_per_rank, tuple(coll.features), calls)
+  tables, all_ids, all_weights = residuals
+  fn = functools.partial(_dense_grads_per_rank, coll._order(), calls)
   table_cts = exchange.shard(
       calls[0].ctx, fn,
       in_specs=(coll._table_specs(), coll._feature_specs(),
-                coll._feature_specs()),
-      out_specs=coll._table_specs())(tables, all_ids, tuple(cotangents))
-  return table_cts, None
+                coll._pooled_specs(), coll._feature_specs()),
+      out_specs=coll._table_specs())(tables, all_ids, all_weights,
+                                     tuple(cotangents))
+  # No cotangent for the ids; the weights' would need the table (unused).
+  return table_cts, None, jax.tree.map(jnp.zeros_like, all_weights)
 
 
 _collection_lookup.defvjp(_collection_lookup_fwd, _collection_lookup_bwd)

@@ -1,0 +1,310 @@
+"""The per-rank dataflow of one stack of a collection (DESIGN §10, §11).
+
+Everything here runs on one rank inside the collection's `shard_map`. A
+`StackCall` (static, built per batch shape by the collection) says where
+each feature's ids sit in this rank's part of the stack:
+
+    entries = [sequence ids ... | pooled entries ...]     (this rank, `[E]`)
+    rows    = [sequence ids ... | pooled bags ...]        (exchanged, `[T]`)
+
+A sequence feature exchanges one row per id; a pooled feature (a bag of
+`bag_len` ids per example, with per-entry weights) is pooled on the rank
+that serves the columns, before the all-to-all, so it exchanges one row per
+example. Each entry travels as one int32 *key*: `k >= 0` is the stacked row
+it looks up and trains, `k < 0` encodes the row `~k` that it looks up but
+never trains (padding, ids outside their table after one wrap, weight 0).
+The keys and the pooled entries' weights share ONE all-gather per stack.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from pallas_emb import exchange
+from pallas_emb import kernels
+from pallas_emb import optim
+from pallas_emb.dedup import FILL_VALUE
+from pallas_emb.dedup import unique_and_segments
+from pallas_emb.lookup import dense_table_grad
+from pallas_emb.validation import EmbeddingContext
+
+
+@dataclasses.dataclass(frozen=True)
+class FeatureCall:
+  """A feature's part of a stack in one call (static)."""
+  name: str
+  row_offset: int
+  vocab_rows: int
+  padding_id: int | None
+  shape: tuple[int, ...]      # the global ids shape
+  combiner: str | None        # None: a sequence feature
+  local_examples: int         # examples (leading dim) per rank
+
+  @property
+  def pooled(self) -> bool:
+    return self.combiner is not None
+
+  @property
+  def bag_len(self) -> int:
+    """Ids per example: the bag length, or the sequence's other dims."""
+    return int(np.prod(self.shape[1:], dtype=np.int64))
+
+  @property
+  def local_entries(self) -> int:
+    return self.local_examples * self.bag_len
+
+  @property
+  def local_rows(self) -> int:
+    """Rows it exchanges per rank: one per example if pooled, else per id."""
+    return self.local_examples if self.pooled else self.local_entries
+
+
+@dataclasses.dataclass(frozen=True)
+class StackCall:
+  """A stack in one call (static): its features, sequence ones first.
+
+  `ctx.tokens_per_rank` is the rows exchanged per rank (sequence ids +
+  pooled examples), `ctx.num_unique` the unique buffer of the stack.
+  """
+  name: str
+  optimizer: object
+  ctx: EmbeddingContext
+  features: tuple[FeatureCall, ...]
+
+  @property
+  def sequence(self) -> tuple[FeatureCall, ...]:
+    return tuple(f for f in self.features if not f.pooled)
+
+  @property
+  def pooled(self) -> tuple[FeatureCall, ...]:
+    return tuple(f for f in self.features if f.pooled)
+
+  @property
+  def sequence_entries(self) -> int:
+    return sum(f.local_entries for f in self.sequence)
+
+  @property
+  def pooled_entries(self) -> int:
+    return sum(f.local_entries for f in self.pooled)
+
+  @property
+  def pooled_bags(self) -> int:
+    return sum(f.local_examples for f in self.pooled)
+
+  @property
+  def entries(self) -> int:
+    return self.sequence_entries + self.pooled_entries
+
+  @property
+  def max_bag_len(self) -> int:
+    return max((f.bag_len for f in self.pooled), default=0)
+
+  def bag_starts(self) -> np.ndarray:
+    """CSR starts of the communicator's pooled bags in the gathered pooled
+    entries `[W, pooled_entries]`: source rank, then feature, then example
+    (which is the destination-major order the all-to-all wants)."""
+    lengths = np.concatenate([np.full(f.local_examples, f.bag_len)
+                              for f in self.pooled] * self.ctx.group_size)
+    return np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+
+  def entry_bags(self) -> np.ndarray:
+    """This rank's pooled bag (0..pooled_bags-1) of each pooled entry."""
+    return np.repeat(np.arange(self.pooled_bags, dtype=np.int32),
+                     np.concatenate([np.full(f.local_examples, f.bag_len)
+                                     for f in self.pooled]))
+
+
+class StackRouting(NamedTuple):
+  """How one batch's ids of a stack map onto unique rows.
+
+  unique_tokens: int32 `[U]` sorted unique stacked rows, FILL_VALUE padded;
+    replicated.
+  segments: int32, per rank `[W * E]`: the unique slot of every entry of the
+    communicator (the all-gathered order), -1 for none.
+  weights: f32, per rank `[W * pooled entries]`: the combiner weight of
+    every pooled entry of the communicator (empty without pooled features).
+  num_distinct, num_overflow: int32 scalars (see `dedup`).
+  """
+  unique_tokens: jax.Array
+  segments: jax.Array
+  weights: jax.Array
+  num_distinct: jax.Array
+  num_overflow: jax.Array
+
+
+# --- keys and weights ------------------------------------------------------------
+
+
+def _keys(feature: FeatureCall, ids: jax.Array, weights: jax.Array | None):
+  """This rank's entries of a feature as keys (see the module docstring)."""
+  x = ids.reshape(-1)
+  wrapped = jnp.where(x < 0, x + feature.vocab_rows, x)
+  row = feature.row_offset + jnp.clip(wrapped, 0, feature.vocab_rows - 1)
+  trains = (wrapped >= 0) & (wrapped < feature.vocab_rows)
+  if feature.padding_id is not None:
+    trains &= x != feature.padding_id
+  if weights is not None:
+    trains &= weights.reshape(-1) != 0
+  return jnp.where(trains, row, ~row)
+
+
+def combiner_weights(feature: FeatureCall, ids: jax.Array,
+                     weights: jax.Array) -> jax.Array:
+  """Per entry of `[B, L]` bags: the weight its row enters the pool with.
+
+  `sum`: w; `mean`: w / sum(w); `sqrtn`: w / sqrt(sum(w^2)) (TF's
+  embedding_lookup_sparse). The padding id weighs 0; an empty bag pools
+  to zeros.
+  """
+  w = weights.astype(jnp.float32)
+  if feature.padding_id is not None:
+    w = jnp.where(ids == feature.padding_id, 0.0, w)
+  if feature.combiner == "sum":
+    return w
+  total = (jnp.sum(w, axis=1, keepdims=True) if feature.combiner == "mean"
+           else jnp.sqrt(jnp.sum(w * w, axis=1, keepdims=True)))
+  return jnp.where(total != 0, w / jnp.where(total != 0, total, 1.0), 0.0)
+
+
+def gather_entries(call: StackCall, ids: Sequence[jax.Array],
+                   weights: Sequence[jax.Array]):
+  """One all-gather of the stack's keys (and pooled weights).
+
+  `ids`: this rank's ids per feature (the call's order); `weights`: the
+  combiner weights of its pooled features. Returns `(keys_all [W, E],
+  weights_all [W, pooled entries])`.
+  """
+  w_by_name = dict(zip((f.name for f in call.pooled), weights))
+  parts = [_keys(f, x, w_by_name.get(f.name))
+           for f, x in zip(call.features, ids)]
+  wbits = [lax.bitcast_convert_type(w_by_name[f.name].reshape(-1),
+                                    jnp.int32) for f in call.pooled]
+  local = jnp.concatenate(parts + wbits) if len(parts + wbits) > 1 else (
+      parts[0])
+  gathered = exchange.all_gather_ids(call.ctx, local).reshape(
+      call.ctx.group_size, -1)
+  keys_all = gathered[:, :call.entries]
+  weights_all = lax.bitcast_convert_type(gathered[:, call.entries:],
+                                         jnp.float32)
+  return keys_all, weights_all
+
+
+def rows_of(keys: jax.Array) -> jax.Array:
+  """The row each key looks up."""
+  return jnp.where(keys < 0, ~keys, keys)
+
+
+# --- lookup ----------------------------------------------------------------------
+
+
+def serve(call: StackCall, backend: str, table, keys_all, weights_all,
+          config=None) -> list[jax.Array]:
+  """This rank's embeddings of every feature (the call's order).
+
+  Gathers this rank's columns of every sequence id and pools them for every
+  bag of the communicator, then ONE all-to-all brings each rank the full
+  rows of its own examples.
+  """
+  ctx = call.ctx
+  w = ctx.group_size
+  rows = rows_of(keys_all)
+  served = []
+  if call.sequence:
+    seq = rows[:, :call.sequence_entries].reshape(-1)
+    served.append(kernels.gather_rows(
+        table, seq, backend=backend, config=config).reshape(
+            w, call.sequence_entries, -1))
+  if call.pooled:
+    pooled = kernels.pool_rows(
+        table, rows[:, call.sequence_entries:].reshape(-1),
+        weights_all.reshape(-1), jnp.asarray(call.bag_starts()),
+        max_len=call.max_bag_len, backend=backend)
+    served.append(pooled.reshape(w, call.pooled_bags, -1))
+  served = jnp.concatenate(served, axis=1) if len(served) > 1 else served[0]
+  mine = exchange.exchange_rows(ctx, served.reshape(-1, served.shape[-1]))
+  return split_rows(call, mine)
+
+
+def split_rows(call: StackCall, rows: jax.Array) -> list[jax.Array]:
+  """This rank's exchanged rows `[T, D]` -> one array per feature."""
+  out, start = [], 0
+  for f in call.features:
+    shape = (f.local_examples,) + (() if f.pooled else f.shape[1:])
+    out.append(rows[start:start + f.local_rows].reshape(
+        shape + rows.shape[-1:]))
+    start += f.local_rows
+  return out
+
+
+# --- gradients -------------------------------------------------------------------
+
+
+def routed_entry_grads(call: StackCall, grads: Sequence[jax.Array],
+                       weights_all: jax.Array) -> jax.Array:
+  """`[W * E, S]`: this rank's columns of the gradient of every entry of the
+  communicator, in the all-gathered order (what the segment sum reads).
+
+  The features' gradients travel back through ONE all-to-all (a pooled
+  feature's one row per example); a pooled example's gradient then reaches
+  each of its entries scaled by the entry's combiner weight.
+  """
+  ctx = call.ctx
+  w = ctx.group_size
+  flat = [g.reshape(-1, g.shape[-1]) for g in grads]
+  if call.pooled:
+    flat = [g.astype(jnp.float32) for g in flat]
+  local = jnp.concatenate(flat) if len(flat) > 1 else flat[0]
+  routed = exchange.route_gradients(ctx, local).reshape(
+      w, call.sequence_entries + call.pooled_bags, -1)
+  if not call.pooled:
+    return routed.reshape(-1, routed.shape[-1])
+  bags = routed[:, call.sequence_entries:]
+  per_entry = jnp.take(bags, jnp.asarray(call.entry_bags()), axis=1)
+  per_entry = per_entry * weights_all[:, :, None]
+  return jnp.concatenate([routed[:, :call.sequence_entries], per_entry],
+                         axis=1).reshape(-1, routed.shape[-1])
+
+
+def route(call: StackCall, keys_all, weights_all) -> StackRouting:
+  """Dedup of the communicator's keys (global over replicas)."""
+  ctx = call.ctx
+  keys = jnp.where(keys_all < 0, FILL_VALUE, keys_all).reshape(-1)
+  n = keys.shape[0]
+  if ctx.replica_axis:
+    keys = lax.all_gather(keys, exchange.axis_name(ctx.replica_axis),
+                          axis=0, tiled=True)
+  unique, segments, distinct, overflow = unique_and_segments(
+      keys, ctx.num_unique)
+  if ctx.replica_axis:
+    replica = lax.axis_index(exchange.axis_name(ctx.replica_axis))
+    segments = lax.dynamic_slice_in_dim(segments, replica * n, n)
+  return StackRouting(unique, segments, weights_all.reshape(-1), distinct,
+                      overflow)
+
+
+def update(call: StackCall, backend: str, table, opt_state,
+           routing: StackRouting, grads, pending):
+  """The stack's fused sparse update from its features' gradients."""
+  weights_all = routing.weights.reshape(call.ctx.group_size, -1)
+  routed = routed_entry_grads(call, grads, weights_all)
+  return optim.update_from_routed(
+      call.ctx, call.optimizer, backend, table, opt_state, routed,
+      routing.segments, routing.unique_tokens, pending, routing.num_overflow)
+
+
+def dense_grad(call: StackCall, table, keys_all, weights_all, cotangents):
+  """The dense scatter-add cotangent of the stack's table (plain jax.grad).
+
+  Entries that never train (padding, ids outside their table) add nothing,
+  as in the sparse update: the dense and the sparse path train the same rows.
+  """
+  routed = routed_entry_grads(call, cotangents, weights_all)
+  routed = jnp.where((keys_all.reshape(-1) >= 0)[:, None], routed, 0)
+  return dense_table_grad(call.ctx, table, rows_of(keys_all).reshape(-1),
+                          routed)
