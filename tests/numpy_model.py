@@ -100,3 +100,161 @@ class Adagrad:
 
 
 BF16 = ml_dtypes.bfloat16
+
+
+# ---------------------------------------------------------------------------
+# The optimizer family of DESIGN §12, from the published update rules.
+#
+# Each model keeps the table and its state in numpy over the *global* batch
+# (no sharding) and updates, per step, the rows the batch gave a gradient
+# (lazy sparse semantics: a row whose summed gradient is all zero, e.g. the
+# padding id's, is left as it is). All arithmetic is float32, one operation
+# at a time. bf16 tables: the gradient is rounded to the table dtype (what
+# a bf16 table's gradient is), the state stays float32, an additive update
+# is rounded to the table dtype before it is added and the sum once more
+# (the rounding points of DESIGN §4.5); FTRL recomputes the weight, rounded
+# once.
+# ---------------------------------------------------------------------------
+
+F32 = np.float32
+
+
+class SparseModel:
+  """dedup + f32 segment sums + a per-row rule; subclasses give the rule."""
+
+  def __init__(self, table):
+    self.table = np.array(table)
+    self.dtype = self.table.dtype
+    self.step_count = 0
+
+  def new_state(self, value=0.0, rowwise=False):
+    shape = self.table.shape[:1] if rowwise else self.table.shape
+    return np.full(shape, value, F32)
+
+  def step(self, ids, grads, num_unique, pending=True, padding_id=0,
+           padding_slot=True):
+    """Returns (norm, valid). grads: [num_tokens, width] (any float)."""
+    vocab, width = self.table.shape
+    uniq, segs, _ = dedup(ids, num_unique, vocab, padding_id, padding_slot)
+    segs = segs.reshape(-1)
+    grads = np.asarray(grads, F32).reshape(segs.size, width)
+    accum = np.zeros((num_unique, width), F32)
+    for tok, seg in enumerate(segs):
+      if 0 <= seg < num_unique:
+        accum[seg] += grads[tok]
+    row_sq = np.sum(rnd(accum, self.dtype) ** 2, axis=1, dtype=F32)
+    norm = np.sqrt(np.sum(row_sq, dtype=F32))
+    if not (np.isfinite(norm) and pending):
+      return norm, 0
+    table = self.table.astype(F32)
+    t = self.step_count + 1  # this update's number, 1-based
+    for u, tok in enumerate(uniq.astype(np.int64)):
+      if tok == FILL or row_sq[u] == 0:
+        continue
+      g = rnd(accum[u], self.dtype)
+      table[tok] = self.update_row(tok, table[tok], g, row_sq[u], width, t)
+    self.table = table.astype(self.dtype)
+    self.step_count += 1
+    return norm, 1
+
+  def add(self, w, delta):
+    """w + delta with the bf16 rounding points (identity for f32)."""
+    return rnd(w + rnd(delta, self.dtype), self.dtype)
+
+  def update_row(self, tok, w, g, row_sq, width, t):
+    raise NotImplementedError
+
+
+class Sgd(SparseModel):
+  """w -= lr * g."""
+
+  def __init__(self, table, lr):
+    super().__init__(table)
+    self.lr = F32(lr)
+
+  def update_row(self, tok, w, g, row_sq, width, t):
+    return self.add(w, -self.lr * g)
+
+
+class ElementAdagrad(SparseModel):
+  """Duchi et al. 2011, as optax.adagrad: acc += g^2; w -= lr g / sqrt(acc + eps)."""
+
+  def __init__(self, table, lr, eps=1e-7, init_acc=0.1):
+    super().__init__(table)
+    self.lr, self.eps = F32(lr), F32(eps)
+    self.accumulator = self.new_state(init_acc)
+
+  def update_row(self, tok, w, g, row_sq, width, t):
+    acc = self.accumulator[tok] + g * g
+    self.accumulator[tok] = acc
+    scale = np.where(acc > 0, F32(1) / np.sqrt(acc + self.eps), F32(0))
+    return self.add(w, -self.lr * (scale * g))
+
+
+class LazyAdam(SparseModel):
+  """Kingma & Ba 2015 with TF LazyAdam's step size, on touched rows only.
+
+  lr_t = lr sqrt(1 - b2^t) / (1 - b1^t); m = b1 m + (1 - b1) g;
+  v = b2 v + (1 - b2) g^2; w -= lr_t m / (sqrt(v) + eps).
+  """
+
+  def __init__(self, table, lr, b1=0.9, b2=0.999, eps=1e-8):
+    super().__init__(table)
+    self.lr, self.b1, self.b2, self.eps = F32(lr), F32(b1), F32(b2), F32(eps)
+    self.m, self.v = self.new_state(), self.new_state()
+
+  def update_row(self, tok, w, g, row_sq, width, t):
+    b1, b2 = self.b1, self.b2
+    lr_t = (self.lr * np.sqrt(F32(1) - b2 ** F32(t))
+            / (F32(1) - b1 ** F32(t)))
+    self.m[tok] = b1 * self.m[tok] + (F32(1) - b1) * g
+    self.v[tok] = b2 * self.v[tok] + (F32(1) - b2) * (g * g)
+    return self.add(w, -(lr_t * self.m[tok]) / (np.sqrt(self.v[tok])
+                                                 + self.eps))
+
+
+class PartialRowwiseAdam(SparseModel):
+  """FBGEMM's PARTIAL_ROWWISE_ADAM (no weight decay).
+
+  v (per row) = b2 v + (1 - b2) mean_c(g_c^2); m = b1 m + (1 - b1) g;
+  w -= lr (m / (1 - b1^t)) / (sqrt(v / (1 - b2^t)) + eps).
+  """
+
+  def __init__(self, table, lr, b1=0.9, b2=0.999, eps=1e-8):
+    super().__init__(table)
+    self.lr, self.b1, self.b2, self.eps = F32(lr), F32(b1), F32(b2), F32(eps)
+    self.m, self.v = self.new_state(), self.new_state(rowwise=True)
+
+  def update_row(self, tok, w, g, row_sq, width, t):
+    b1, b2 = self.b1, self.b2
+    self.v[tok] = b2 * self.v[tok] + (F32(1) - b2) * (row_sq / F32(width))
+    v_hat = self.v[tok] / (F32(1) - b2 ** F32(t))
+    self.m[tok] = b1 * self.m[tok] + (F32(1) - b1) * g
+    m_hat = self.m[tok] / (F32(1) - b1 ** F32(t))
+    return self.add(w, -self.lr * (m_hat / (np.sqrt(v_hat) + self.eps)))
+
+
+class Ftrl(SparseModel):
+  """McMahan et al. 2013, FTRL-Proximal per coordinate, as Keras' Ftrl.
+
+  n' = n + g^2; z += g - (n'^p - n^p) / lr * w;
+  w = (clip(z, -l1, l1) - z) / (n'^p / lr + 2 l2); p = -lr_power.
+  """
+
+  def __init__(self, table, lr, l1=0.0, l2=0.0, lr_power=-0.5,
+               init_acc=0.1):
+    super().__init__(table)
+    self.lr, self.l1, self.l2 = F32(lr), F32(l1), F32(l2)
+    self.power = F32(-lr_power)
+    self.accumulator = self.new_state(init_acc)
+    self.linear = self.new_state()
+
+  def update_row(self, tok, w, g, row_sq, width, t):
+    n = self.accumulator[tok]
+    n_new = n + g * g
+    p_new, p_old = n_new ** self.power, n ** self.power
+    self.linear[tok] = self.linear[tok] + (g - (p_new - p_old) / self.lr * w)
+    self.accumulator[tok] = n_new
+    z = self.linear[tok]
+    quadratic = p_new / self.lr + F32(2) * self.l2
+    return rnd((np.clip(z, -self.l1, self.l1) - z) / quadratic, self.dtype)

@@ -1,12 +1,14 @@
 """Registers, spills and access widths of the kernels as an H100/H200 runs them.
 
 Lowered through the public API on a 1-device CPU mesh (`pe.lookup`,
-`pe.dedup` + `pe.apply_gradients` with backend="pallas", eager and lazy
-Adagrad; `lower(lowering_platforms=("cuda",))`, no GPU needed), each
+`pe.dedup` + `pe.apply_gradients` with backend="pallas" and every sparse
+optimizer; `lower(lowering_platforms=("cuda",))`, no GPU needed), each
 pallas_call is compiled for sm_90a with the `triton` package and its
 `ptxas -v` (`pallas_emb.testing.ptx`). For shard widths 8, 64, 128, 512 and
-f32 / bf16 tables, every kernel -- gather, both segment-sum kernels, Adagrad
-eager and lazy -- must have
+f32 / bf16 tables, every kernel -- gather, both segment-sum kernels, the
+generic sparse-update kernel with each optimizer's rule (row-wise Adagrad
+eager and lazy, SGD, Adagrad, Adam, partial row-wise Adam, FTRL with the
+square root and with a general power) -- must have
 
 * zero spill bytes, and
 * vector row accesses: every global load/store of a row tile (a ref holding
@@ -19,10 +21,12 @@ eager and lazy -- must have
 Exempt, and why:
 
 * per-row refs (one element per row: ids, tokens, sort order, run bounds,
-  `row_sq`, `row_state`, `last_step`): each lane's element belongs to a
+  `row_sq`, an optimizer's row-wise state such as `row_state`, `last_step`
+  or partial row-wise Adam's `v`): each lane's element belongs to a
   different row -- gathered / scattered by token, or too short a vector per
   thread -- so they are 4-byte accesses by nature;
-* scalars (`apply`, `step`, `lr`, the piece kernel's key and run end);
+* scalars (`apply`, `step`, the optimizer's per-step `scalars`, the piece
+  kernel's key and run end);
 * a row tile with fewer than 8 bytes per thread, i.e. the piece kernel's
   one reduced row `[1, block_cols]` at block_cols <= 128 over 64-128
   threads: it cannot be vectorized, and the formula above then asks for
@@ -46,6 +50,8 @@ from jax.sharding import PartitionSpec as P
 import numpy as np
 
 import pallas_emb as pe
+from pallas_emb.kernels import sparse_update
+from pallas_emb.optimizers import base
 from pallas_emb.testing import ptx
 
 WIDTHS = (8, 64, 128, 512)
@@ -65,12 +71,6 @@ REFS = {
         "grads_ref": "row", "pieces_ref": "row", "accum_ref": "row",
         "order_ref": "per_row", "start_ref": "per_row", "end_ref": "per_row",
         "row_sq_ref": "per_row"},
-    "pallas_emb_adagrad": {
-        "table_ref": "row", "grad_ref": "row", "table_out": "row",
-        "tokens_ref": "per_row", "row_sq_ref": "per_row",
-        "state_ref": "per_row", "last_ref": "per_row",
-        "state_out": "per_row", "last_out": "per_row",
-        "apply_ref": "scalar", "step_ref": "scalar", "lr_ref": "scalar"},
 }
 # Row refs each kernel must show (guards against a silent attribution bug).
 REQUIRED = {
@@ -79,9 +79,36 @@ REQUIRED = {
                                       ("pieces_ref", "store")},
     "pallas_emb_segment_sum": {("grads_ref", "load"), ("pieces_ref", "load"),
                                ("accum_ref", "store")},
-    "pallas_emb_adagrad": {("table_ref", "load"), ("grad_ref", "load"),
-                           ("table_out", "store")},
 }
+# Every optimizer's update kernel (DESIGN §12), one per kernel name.
+OPTIMIZERS = (
+    pe.RowwiseAdagrad(0.1),
+    pe.RowwiseAdagrad(0.1, half_life_steps=100.0, weight_decay=1e-4,
+                      lazy=True),
+    pe.Sgd(0.1), pe.Adagrad(0.1), pe.Adam(1e-3),
+    pe.PartialRowwiseAdam(1e-3), pe.Ftrl(0.1, l1=1e-3, l2=1e-3),
+    pe.Ftrl(0.1, l2=1e-3, lr_power=-0.7),
+)
+
+
+def update_refs(opt) -> dict[str, str]:
+  """An update kernel's refs: table, gradient and element-wise state are
+  rows; tokens, row_sq and row-wise state per row; the rest scalars."""
+  names = sparse_update.ref_names(opt)
+  per_row = {"tokens_ref", "row_sq_ref"} | {
+      f"{s.name}_{io}" for s in opt.slots() if s.kind == base.ROW
+      for io in ("ref", "out")}
+  scalar = {"apply_ref", "step_ref", "scalars_ref"}
+  return {n: "scalar" if n in scalar else "per_row" if n in per_row
+          else "row" for n in names}
+
+
+def update_required(opt) -> set[tuple[str, str]]:
+  rows = ["table"] + [s.name for s in opt.slots() if s.kind == base.ELEMENT]
+  return ({("grad_ref", "load")} | {(f"{r}_ref", "load") for r in rows}
+          | {(f"{r}_out", "store") for r in rows})
+
+
 _BYTES = {"b8": 1, "b16": 2, "b32": 4, "b64": 8, "f32": 4, "f16": 2, "u16": 2,
           "s32": 4, "u32": 4, "f64": 8, "u8": 1, "s16": 2, "u64": 8, "s64": 8}
 _ITEMSIZE = {"f32": 4, "bf16": 2, "f16": 2, "i32": 4}
@@ -101,7 +128,7 @@ def expected_bytes(access: ptx.Access, num_warps: int) -> int:
 
 
 def public_api_kernels(width: int, dtype: str) -> list[ptx.CapturedKernel]:
-  """Every pallas_call of a lookup and of an eager and a lazy update."""
+  """Every pallas_call of a lookup and of an update with each optimizer."""
   mesh = test_util.mesh({"x": 1})
   ctx = pe.make_context(mesh, "x", tokens_per_batch=TOKENS, emb_width=width,
                         num_unique=TOKENS + 1)
@@ -114,9 +141,7 @@ def public_api_kernels(width: int, dtype: str) -> list[ptx.CapturedKernel]:
                                sharding=NamedSharding(mesh, P("x", None)))
   captured = ptx.capture(
       lambda t, i: pe.lookup(ctx, t, i, backend="pallas"), table, ids)
-  for opt in (pe.RowwiseAdagrad(0.1),
-              pe.RowwiseAdagrad(0.1, half_life_steps=100.0,
-                                weight_decay=1e-4, lazy=True)):
+  for opt in OPTIMIZERS:
     state = jax.eval_shape(lambda t, o=opt: o.init(ctx, t), table)
 
     def step(t, s, i, g, opt=opt):
@@ -135,19 +160,25 @@ class PtxTest(parameterized.TestCase):
     kernels = public_api_kernels(width, dtype)
     names = sorted(k.name for k in kernels)
     self.assertEqual(names, sorted(
-        ["pallas_emb_gather"] + ["pallas_emb_segment_sum_pieces",
-                                 "pallas_emb_segment_sum",
-                                 "pallas_emb_adagrad"] * 2))
+        ["pallas_emb_gather"]
+        + ["pallas_emb_segment_sum_pieces", "pallas_emb_segment_sum"]
+        * len(OPTIMIZERS) + [opt.kernel_name for opt in OPTIMIZERS]))
+    updates = iter(OPTIMIZERS)  # the update kernels, in capture order
     for kernel in kernels:
+      if kernel.name in REFS:
+        refs, required = REFS[kernel.name], REQUIRED[kernel.name]
+      else:
+        opt = next(updates)
+        self.assertEqual(kernel.name, opt.kernel_name)
+        refs, required = update_refs(opt), update_required(opt)
       report = ptx.compile_kernel(kernel)
       logging.info("w=%d %s %s", width, dtype, report.row())
       where = f"{kernel.name} (width {width}, {dtype}): {report.row()}"
       self.assertEqual(report.spill_bytes, 0, f"spills in {where}")
-      refs = REFS[kernel.name]
       seen = set()
       for access in report.accesses:
         self.assertIn(access.ref, refs, f"unclassified ref {access.ref!r} in "
-                      f"{where}; add it to REFS with a reason")
+                      f"{where}; classify it (REFS / update_refs) with a reason")
         seen.add((access.ref, access.op))
         if refs[access.ref] != "row":
           continue
@@ -158,7 +189,7 @@ class PtxTest(parameterized.TestCase):
               f"{access.op} of {access.ref}{list(access.shape)} is {kind} "
               f"({access_bytes(kind)} bytes per thread), expected >= {want} "
               f"in {where}")
-      self.assertEmpty(REQUIRED[kernel.name] - seen,
+      self.assertEmpty(required - seen,
                        f"row accesses missing from {where}")
 
 

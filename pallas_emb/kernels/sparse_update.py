@@ -49,13 +49,12 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_emb.kernels import common
 
-# Tiles of 4 KiB of f32 when the rule has no element-wise state: with 4
-# warps, at most 8 elements (two rows) per thread. The per-row arithmetic
-# (two `exp`s in lazy row-wise Adagrad) is replicated on every thread of a
-# row; at four rows per thread ptxas spills the inlined expf (seen at
-# [32, 64] and [16, 128] f32 tiles, 4 warps). Each element-wise state array
-# adds a load, a store and its arithmetic per element, so the tile shrinks
-# with them (`_tile_bytes`).
+# Tiles of 4 KiB of f32: with 4 warps, at most 8 elements (two rows) per
+# thread. The per-row arithmetic (two `exp`s in lazy row-wise Adagrad) is
+# replicated on every thread of a row; at four rows per thread ptxas spills
+# the inlined expf (seen at [32, 64] and [16, 128] f32 tiles, 4 warps).
+# Element-wise state (two more f32 arrays for Adam and FTRL, FTRL's powf)
+# fits the same tile: at most 84 registers, no spills (tests/ptx_test.py).
 _TILE_BYTES = 4096
 _MAX_ROW_BYTES = 1024
 _MIN_PROGRAMS = 512
@@ -117,22 +116,16 @@ class SparseUpdateConfig:
                        f"got {self.num_stages}.")
 
 
-def _tile_bytes(num_element_slots: int) -> int:
-  """4 KiB for table + gradient; halved per two element-wise arrays."""
-  return max(512, _TILE_BYTES * 2 // (2 + num_element_slots))
-
-
 def resolve_config(config: SparseUpdateConfig | None, num_unique: int,
-                   width: int, num_element_slots: int = 0
-                   ) -> SparseUpdateConfig:
+                   width: int) -> SparseUpdateConfig:
   """`config` with every None field filled in by the shape heuristic."""
   config = config or SparseUpdateConfig()
   f32 = 4  # the update is computed in f32 whatever the table dtype
   block_cols = config.block_cols or common.block_cols_for(
       width, f32, _MAX_ROW_BYTES)
   block_rows = config.block_rows or common.block_rows_for(
-      num_unique, block_cols, f32,
-      tile_bytes=_tile_bytes(num_element_slots), min_programs=_MIN_PROGRAMS)
+      num_unique, block_cols, f32, tile_bytes=_TILE_BYTES,
+      min_programs=_MIN_PROGRAMS)
   num_warps = config.num_warps or common.num_warps_for(
       block_rows * block_cols, f32)
   return dataclasses.replace(config, block_rows=block_rows,
@@ -264,7 +257,7 @@ def sparse_update(rule: UpdateRule, table: jax.Array,
       "table shard": table.shape, "grad_accum": grad_accum.shape})
   if num_unique == 0:
     return table, row_state, element_state
-  config = resolve_config(config, num_unique, width, len(element_state))
+  config = resolve_config(config, num_unique, width)
 
   # Traced scalars travel as small arrays (bools as int32).
   inputs = (jnp.asarray(apply, jnp.int32).reshape(1),

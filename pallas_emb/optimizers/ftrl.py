@@ -19,6 +19,7 @@ from typing import ClassVar, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from pallas_emb.optimizers import base
 
@@ -84,6 +85,8 @@ class Ftrl(base.SparseOptimizer):
     sigma = (p_new - self._power(n)) / lr
     linear = element["linear"] + (g - base.unfused_product(sigma, values))
     quadratic = p_new / lr + jnp.float32(2 * self.l2)
-    l1 = jnp.float32(self.l1)
-    w = (jnp.clip(linear, -l1, l1) - linear) / quadratic
+    # Bounds negated in Python: Triton cannot lower the negation of a
+    # constant.
+    clipped = jnp.clip(linear, np.float32(-self.l1), np.float32(self.l1))
+    w = (clipped - linear) / quadratic
     return w, {"accumulator": n_new, "linear": linear}
