@@ -1,5 +1,6 @@
 """pallas_emb: column-sharded embedding tables for JAX recommenders."""
 
+from pallas_emb.collection import Bag
 from pallas_emb.collection import CollectionPlan
 from pallas_emb.collection import CollectionState
 from pallas_emb.collection import EmbeddingCollection
@@ -44,6 +45,7 @@ from pallas_emb.optimizers import Sgd
 from pallas_emb.optimizers import SgdState
 from pallas_emb.optimizers import SparseOptimizer
 from pallas_emb.pipeline import PipelineState
+from pallas_emb.ragged import pad_ragged
 from pallas_emb.pipeline import StepMetrics
 from pallas_emb.pipeline import Trainer
 from pallas_emb.validation import BACKENDS
@@ -60,6 +62,7 @@ __all__ = [
     "Adam",
     "AdamState",
     "BACKENDS",
+    "Bag",
     "CheckpointError",
     "CollectionPlan",
     "CollectionState",
@@ -100,6 +103,7 @@ __all__ = [
     "default_num_unique",
     "lookup",
     "make_context",
+    "pad_ragged",
     "raise_if_out_of_range",
     "raise_if_overflow",
     "replicated_sharding",

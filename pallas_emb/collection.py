@@ -135,8 +135,9 @@ class FeatureSpec:
     combiner: None for a sequence feature (ids of any shape `[B, ...]` give
       `[B, ..., D]`); "sum", "mean" or "sqrtn" pools a bag `[B, L]` into
       `[B, D]`.
-    weighted: a pooled feature with per-id weights
-      (`batch[name + "_weights"]`).
+    weighted: a pooled feature whose per-id weights are required (from
+      `batch[name + "_weights"]` or a `pe.Bag`); any pooled feature may be
+      given weights, e.g. the 0/1 padding mask of `pe.pad_ragged`.
   """
   name: str
   table: str
@@ -717,9 +718,10 @@ def _check_specs(tables, features) -> None:
 def _bag_weights(spec: FeatureSpec, bag: Bag, batch, ids) -> jax.Array:
   """The input weights `[B, L]` of a pooled feature's bags (before tracing).
 
-  From `bag.weights` or `batch[name + "_weights"]` (a weighted feature),
-  else from `bag.lengths` (the first lengths[b] ids are real), else ones
-  (the table's padding id, if any, is zeroed later, per rank).
+  From `bag.weights` (e.g. the 0/1 mask of `pe.pad_ragged`), or for a
+  weighted feature `batch[name + "_weights"]` (required), else from
+  `bag.lengths` (the first lengths[b] ids are real), else ones (the table's
+  padding id, if any, is zeroed later, per rank).
   """
   name = spec.name
   if ids.ndim != 2:
@@ -735,10 +737,6 @@ def _bag_weights(spec: FeatureSpec, bag: Bag, batch, ids) -> jax.Array:
           f"pallas_emb feature {name!r} is weighted but the batch has no "
           f"{name + '_weights'!r} and batch[{name!r}] is not a pe.Bag with "
           "weights; give the per-id weights [batch, max_len].")
-  elif weights is not None and not spec.weighted:
-    raise InputError(
-        f"pallas_emb feature {name!r} got weights but its FeatureSpec has "
-        "weighted=False; set weighted=True, or pass lengths instead.")
   if weights is not None:
     if not hasattr(weights, "shape"):
       weights = np.asarray(weights, np.float32)

@@ -30,6 +30,7 @@ from pallas_emb import exchange
 from pallas_emb import kernels
 from pallas_emb import optim
 from pallas_emb.dedup import FILL_VALUE
+from pallas_emb.kernels import common
 from pallas_emb.dedup import unique_and_segments
 from pallas_emb.lookup import dense_table_grad
 from pallas_emb.validation import EmbeddingContext
@@ -169,7 +170,12 @@ def combiner_weights(feature: FeatureCall, ids: jax.Array,
     return w
   total = (jnp.sum(w, axis=1, keepdims=True) if feature.combiner == "mean"
            else jnp.sqrt(jnp.sum(w * w, axis=1, keepdims=True)))
-  return jnp.where(total != 0, w / jnp.where(total != 0, total, 1.0), 0.0)
+  # XLA rewrites a division by a broadcast (or by a sqrt) into a product
+  # with a reciprocal (or rsqrt), whose last bit differs from TF's and from
+  # platform to platform; behind the barrier the division is IEEE-exact.
+  total = lax.optimization_barrier(
+      jnp.broadcast_to(jnp.where(total != 0, total, 1.0), w.shape))
+  return jnp.where(w != 0, w / total, 0.0)
 
 
 def gather_entries(call: StackCall, ids: Sequence[jax.Array],
@@ -266,7 +272,8 @@ def routed_entry_grads(call: StackCall, grads: Sequence[jax.Array],
     return routed.reshape(-1, routed.shape[-1])
   bags = routed[:, call.sequence_entries:]
   per_entry = jnp.take(bags, jnp.asarray(call.entry_bags()), axis=1)
-  per_entry = per_entry * weights_all[:, :, None]
+  # Rounded on its own: never contracted into the segment sum's adds.
+  per_entry = common.unfused_product(per_entry, weights_all[:, :, None])
   return jnp.concatenate([routed[:, :call.sequence_entries], per_entry],
                          axis=1).reshape(-1, routed.shape[-1])
 
