@@ -110,9 +110,16 @@ _NUM_BATCHES = flags.DEFINE_integer(
     "num_batches", 16, "Distinct id batches, cycled call by call (fresh ids "
     "most calls, as in training: the Zipf head stays cached, the tail not).")
 _SEED = flags.DEFINE_integer("seed", 0, "Seed of ids and tables.")
-_LR = flags.DEFINE_float("learning_rate", 0.01, "Adagrad learning rate.")
+_LR = flags.DEFINE_float("learning_rate", 0.01,
+                         "The sparse optimizer's learning rate.")
 _LAZY = flags.DEFINE_bool(
     "lazy", False, "Lazy row-wise Adagrad (half-life 1000 steps).")
+OPTIMIZERS = ("sgd", "adagrad", "rowwise_adagrad", "adam",
+              "partial_rowwise_adam", "ftrl")
+_OPTIMIZER = flags.DEFINE_enum(
+    "optimizer", "rowwise_adagrad", OPTIMIZERS,
+    "The table's sparse optimizer (DESIGN §12), default hyper-parameters "
+    "but --learning_rate; --lazy applies to rowwise_adagrad.")
 _COPY_MB = flags.DEFINE_integer(
     "copy_mb", 256, "Size of the buffer of the copy-bandwidth probe.")
 _MAX_DENSE_GB = flags.DEFINE_float(
@@ -265,6 +272,19 @@ class Workload:
   lazy: bool = False
   learning_rate: float = 0.01
   num_batches: int = 16
+  optimizer: str = "rowwise_adagrad"
+
+
+def make_optimizer(work: Workload):
+  """The sparse optimizer `work.optimizer` names."""
+  import pallas_emb as pe  # pylint: disable=g-import-not-at-top
+  if work.optimizer == "rowwise_adagrad":
+    return pe.RowwiseAdagrad(work.learning_rate,
+                             half_life_steps=1000.0 if work.lazy else None,
+                             lazy=work.lazy)
+  return {"sgd": pe.Sgd, "adagrad": pe.Adagrad, "adam": pe.Adam,
+          "partial_rowwise_adam": pe.PartialRowwiseAdam,
+          "ftrl": pe.Ftrl}[work.optimizer](work.learning_rate)
 
 
 def _stats(times: list[float]) -> dict[str, float]:
@@ -438,10 +458,10 @@ def build_cases(work: Workload, what: str, backends: list[str],
   grads = jax.device_put(
       (0.01 * rng.standard_normal((n, e), np.float32)).astype(dtype),
       pe.token_sharding(ctx))
-  opt = pe.RowwiseAdagrad(work.learning_rate,
-                          half_life_steps=1000.0 if work.lazy else None,
-                          lazy=work.lazy)
-  state_bytes = 4 + (4 if work.lazy else 0)
+  opt = make_optimizer(work)
+  # Optimizer state bytes per touched row (f32 / int32 per row or element).
+  state_bytes = sum(4 * (e if slot.kind == "element" else 1)
+                    for slot in opt.slots())
   lookup_bytes = 2.0 * n * e * itemsize + 4 * n
   update_bytes = (n * e * itemsize + 2.0 * distinct * e * itemsize +
                   2.0 * distinct * state_bytes + 4 * n)
@@ -949,7 +969,7 @@ def run(argv_flags=None) -> dict:
                 num_devices=_NUM_DEVICES.value, dtype=_DTYPE.value[0],
                 seed=_SEED.value, permute_ids=_PERMUTE.value,
                 lazy=_LAZY.value, learning_rate=_LR.value,
-                num_batches=_NUM_BATCHES.value)
+                num_batches=_NUM_BATCHES.value, optimizer=_OPTIMIZER.value)
     base.update(over)
     return Workload(**base)
 

@@ -37,20 +37,12 @@ def adagrad_apply(table: jax.Array, row_state: jax.Array,
   """Row-wise Adagrad on the rows of `unique_tokens`, in place.
 
   Args:
-    table: `[V, S]` f32 or bf16 column shard.
     row_state: f32 `[V]` accumulators.
     last_step: int32 `[V]` (lazy mode) or None (eager mode).
-    unique_tokens: int32 `[U]`, unique among the valid ones; a negative token
-      is wrapped once, any other outside `[0, V)` (fill values) is skipped.
-    grad_accum: f32 `[U, S]` summed gradients of the shard's columns.
-    row_sq: f32 `[U]` full-width squared row norms (a trailing total slot,
-      `[U + 1]`, is ignored).
-    apply: bool scalar; when false nothing changes.
     step: int32 scalar (lazy mode's current step).
     learning_rate: f32 scalar.
     hparams: the static `AdagradHParams`.
-    interpret: run through the Pallas interpreter.
-    config: tile sizes (None fields: the shape heuristic).
+    The others: as `sparse_update.sparse_update`.
 
   Returns:
     `(table, row_state, last_step)`, `last_step` None in eager mode.

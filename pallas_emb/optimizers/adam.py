@@ -46,31 +46,32 @@ def moment(beta: float, old: jax.Array, new: jax.Array) -> jax.Array:
           + base.unfused_product(jnp.float32(one_minus), new))
 
 
-def check_betas(owner) -> None:
-  for name in ("b1", "b2"):
-    base.check_at_least(owner, name, 0, high=1)
-
-
 @dataclasses.dataclass(frozen=True)
-class Adam(base.SparseOptimizer):
-  """Lazy Adam with element-wise moments.
+class AdamFamily(base.SparseOptimizer):
+  """Adam's hyper-parameters and their checks (Adam, PartialRowwiseAdam).
 
   Args:
     learning_rate: a float, or a schedule `step -> lr`.
     b1, b2: the moments' decay rates, in [0, 1).
-    eps: added to sqrt(v); finite and > 0.
+    eps: added to the second moment's square root; finite and > 0.
   """
   learning_rate: base.LearningRate
   b1: float = 0.9
   b2: float = 0.999
   eps: float = 1e-8
 
-  state_type: ClassVar[type] = AdamState
-
   def __post_init__(self):
     base.check_learning_rate(self)
-    check_betas(self)
+    for name in ("b1", "b2"):
+      base.check_at_least(self, name, 0, high=1)
     base.check_at_least(self, "eps", 0, strict=True)
+
+
+@dataclasses.dataclass(frozen=True)
+class Adam(AdamFamily):
+  """Lazy Adam with element-wise moments (arguments: `AdamFamily`)."""
+
+  state_type: ClassVar[type] = AdamState
 
   def slots(self):
     return (base.Slot("m", base.ELEMENT), base.Slot("v", base.ELEMENT))

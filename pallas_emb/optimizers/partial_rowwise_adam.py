@@ -33,25 +33,11 @@ class PartialRowwiseAdamState(NamedTuple):
 
 
 @dataclasses.dataclass(frozen=True)
-class PartialRowwiseAdam(base.SparseOptimizer):
-  """Adam with an element-wise first and a row-wise second moment.
-
-  Args:
-    learning_rate: a float, or a schedule `step -> lr`.
-    b1, b2: the moments' decay rates, in [0, 1).
-    eps: added to sqrt(v_hat); finite and > 0.
-  """
-  learning_rate: base.LearningRate
-  b1: float = 0.9
-  b2: float = 0.999
-  eps: float = 1e-8
+class PartialRowwiseAdam(adam.AdamFamily):
+  """Adam with an element-wise first and a row-wise second moment
+  (arguments: `adam.AdamFamily`)."""
 
   state_type: ClassVar[type] = PartialRowwiseAdamState
-
-  def __post_init__(self):
-    base.check_learning_rate(self)
-    adam.check_betas(self)
-    base.check_at_least(self, "eps", 0, strict=True)
 
   def slots(self):
     return (base.Slot("m", base.ELEMENT), base.Slot("v", base.ROW))
