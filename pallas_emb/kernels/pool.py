@@ -126,7 +126,7 @@ def pool_rows(table: jax.Array, rows: jax.Array, weights: jax.Array,
   num_bags -= 1
   common.check_flat_sizes("pool", **{"table shard": table.shape,
                                      "output": (num_bags, width)})
-  if num_bags == 0 or max_len == 0:
+  if num_bags == 0 or max_len == 0 or rows.shape[0] == 0:
     return jnp.zeros((num_bags, width), table.dtype)
   config = resolve_config(config, num_bags, width)
   kernel = functools.partial(

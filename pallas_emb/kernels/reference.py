@@ -117,6 +117,8 @@ def pool_rows(table, rows, weights, bag_starts, *, max_len: int):
   """
   vocab_rows, width = table.shape
   num_bags = bag_starts.shape[0] - 1
+  if num_bags == 0 or max_len == 0 or rows.shape[0] == 0:
+    return jnp.zeros((num_bags, width), table.dtype)
   start, end = bag_starts[:-1], bag_starts[1:]
   weights = weights.astype(jnp.float32)
 
