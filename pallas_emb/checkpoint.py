@@ -154,14 +154,9 @@ def _abstract(name: str, leaf, saved):
   return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
 
 
-def restore(directory, target, *, step: int | None = None):
-  """Restores step `step` (default: the latest complete one) onto `target`.
-
-  Returns a pytree shaped like `target` whose arrays carry the target
-  shardings. Shapes, dtypes and tree structure are checked against the saved
-  metadata before any array is read.
-  """
-  ocp, _ = _orbax()
+def _resolve_step(directory, step: int | None):
+  """`(root, step)`: the checkpoint root and a complete step in it (`step`,
+  or the latest one when None); a clear error otherwise."""
   root = _dir(directory)
   if not root.is_dir():
     raise CheckpointError(
@@ -180,6 +175,18 @@ def restore(directory, target, *, step: int | None = None):
         f"pallas_emb checkpoint step {step} is not a complete checkpoint in "
         f"{root}; complete steps are {steps}, so pass one of those or "
         "step=None for the latest.")
+  return root, step
+
+
+def restore(directory, target, *, step: int | None = None):
+  """Restores step `step` (default: the latest complete one) onto `target`.
+
+  Returns a pytree shaped like `target` whose arrays carry the target
+  shardings. Shapes, dtypes and tree structure are checked against the saved
+  metadata before any array is read.
+  """
+  ocp, _ = _orbax()
+  root, step = _resolve_step(directory, step)
   path = root / str(step)
 
   with ocp.StandardCheckpointer() as ckptr:
@@ -206,20 +213,9 @@ def restore(directory, target, *, step: int | None = None):
 
 
 def _saved_tree(directory, step: int | None):
-  """(path, metadata tree as nested dicts of leaf metadata) of a step."""
+  """`(step, saved metadata tree)` of a complete step (default: latest)."""
   ocp, _ = _orbax()
-  root = _dir(directory)
-  steps = _complete_steps(root)
-  if step is None:
-    if not steps:
-      raise CheckpointError(
-          f"pallas_emb checkpoint directory {root} holds no complete "
-          "checkpoint; save one first, or pass the directory save() wrote to.")
-    step = steps[-1]
-  if _check_step(step) not in steps:
-    raise CheckpointError(
-        f"pallas_emb checkpoint step {step} is not a complete checkpoint in "
-        f"{root}; complete steps are {steps}.")
+  root, step = _resolve_step(directory, step)
   with ocp.StandardCheckpointer() as ckptr:
     meta = ckptr.metadata(root / str(step))
   meta = getattr(meta, "item_metadata", meta)

@@ -438,15 +438,8 @@ class EmbeddingCollection:
   def _inputs(self, batch: Mapping[str, Any]):
     """`(ids, weights)`: every feature's ids and every pooled feature's
     combiner input weights, converted and checked (before tracing)."""
-    if not isinstance(batch, Mapping):
-      raise InputError(
-          f"pallas_emb collection batch is a {type(batch).__name__}; "
-          "expected a dict {feature name: ids}.")
-    missing = [f for f in self.features if f not in batch]
-    if missing:
-      raise InputError(
-          f"pallas_emb collection batch has no ids for features {missing}; "
-          f"it has keys {sorted(batch)}. Give every feature's ids.")
+    self._check_per_feature(batch, "batch", "ids",
+                            "Give every feature's ids.")
     ids, weights = {}, {}
     for name, spec in self.features.items():
       value = batch[name]
@@ -462,6 +455,18 @@ class EmbeddingCollection:
       if spec.combiner is not None:
         weights[name] = _bag_weights(spec, bag, batch, x)
     return ids, weights
+
+  def _check_per_feature(self, mapping, what: str, noun: str, fix: str):
+    """`mapping` is a dict with an entry for every feature."""
+    if not isinstance(mapping, Mapping):
+      raise InputError(
+          f"pallas_emb collection {what} is a {type(mapping).__name__}; "
+          f"expected a dict {{feature name: {noun}}}.")
+    missing = [f for f in self.features if f not in mapping]
+    if missing:
+      raise InputError(f"pallas_emb collection {what} has no {noun} for "
+                       f"features {missing}; it has keys "
+                       f"{sorted(map(str, mapping))}. {fix}")
 
   def _calls(self, shapes: tuple[tuple[str, tuple[int, ...]], ...]
              ) -> tuple[stack_lib.StackCall, ...]:
@@ -640,15 +645,8 @@ class EmbeddingCollection:
             dict(zip(names, stats)))
 
   def _grads(self, emb_grads, shapes) -> dict[str, jax.Array]:
-    if not isinstance(emb_grads, Mapping):
-      raise InputError(
-          f"pallas_emb collection emb_grads is a {type(emb_grads).__name__}; "
-          "expected a dict {feature name: gradient}.")
-    missing = [f for f in self.features if f not in emb_grads]
-    if missing:
-      raise InputError(
-          f"pallas_emb collection emb_grads has no gradient for features "
-          f"{missing}; give every feature's (zeros for unused ones).")
+    self._check_per_feature(emb_grads, "emb_grads", "gradient",
+                            "Give every feature's (zeros for unused ones).")
     out = {}
     for name, spec in self.features.items():
       width = self.tables[spec.table].emb_width
