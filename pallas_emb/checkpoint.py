@@ -241,7 +241,8 @@ def _table_target(coll, name: str):
   replicated = jax.sharding.NamedSharding(coll.mesh,
                                           jax.sharding.PartitionSpec())
   shapes = jax.eval_shape(lambda: opt.init_state(
-      spec.vocab_rows, replicated, coll.table_sharding()))
+      spec.vocab_rows, replicated, coll.table_sharding(),
+      emb_width=spec.emb_width))
   specs = opt.state_specs(jax.sharding.PartitionSpec(None, coll.table_axis))
   opt_state = jax.tree.map(
       lambda s, p: jax.ShapeDtypeStruct(

@@ -371,7 +371,8 @@ class EmbeddingCollection:
     return CollectionState({
         name: StackState(
             tables[name], stack.optimizer.init_state(
-                stack.total_rows, replicated, self.table_sharding()))
+                stack.total_rows, replicated, self.table_sharding(),
+                emb_width=stack.emb_width))
         for name, stack in stacks.items()})
 
   def state_from_arrays(self, tables: Mapping[str, jax.Array],
@@ -405,7 +406,8 @@ class EmbeddingCollection:
       opt = stack.optimizer
       if opt_states is None:
         opt_state = opt.init_state(stack.total_rows, replicated,
-                                   self.table_sharding())
+                                   self.table_sharding(),
+                                   emb_width=stack.emb_width)
       else:
         opt_state = opt.concat_rows([opt_states[n] for n in stack.tables])
       stacks[stack.name] = StackState(table, opt_state)
@@ -525,11 +527,17 @@ class EmbeddingCollection:
 
   def _tables(self, state: CollectionState) -> tuple[jax.Array, ...]:
     _check_state(self, state)
-    return tuple(exchange.place(state.stacks[s.name].table,
-                                self.table_sharding())
-                 if not validation.is_committed(state.stacks[s.name].table)
-                 else state.stacks[s.name].table
-                 for s in self.plan.stacks)
+    return exchange.place_state(
+        tuple(state.stacks[s.name].table for s in self.plan.stacks),
+        self._table_specs(), self.mesh, "state table")
+
+  def _stack_states(self, state: CollectionState):
+    _check_state(self, state)
+    specs = self._state_specs()
+    return exchange.place_state(
+        tuple(state.stacks[s.name] for s in self.plan.stacks),
+        tuple(specs.stacks[s.name] for s in self.plan.stacks), self.mesh,
+        "state")
 
   # --- lookup ---------------------------------------------------------------
 
@@ -631,15 +639,18 @@ class EmbeddingCollection:
     specs = self._state_specs()
     fn = functools.partial(_apply_per_rank, self.backend,
                            tuple(self.features), calls)
-    stack_states = tuple(state.stacks[s.name] for s in self.plan.stacks)
+    stack_states = self._stack_states(state)
+    routings = exchange.place_state(
+        tuple(routing.stacks[s.name] for s in self.plan.stacks),
+        self._routing_specs(), self.mesh, "routing")
     new_states, stats = exchange.shard(
         calls[0].ctx, fn,
         in_specs=(tuple(specs.stacks[s.name] for s in self.plan.stacks),
                   self._routing_specs(), self._feature_specs(), P()),
         out_specs=(tuple(specs.stacks[s.name] for s in self.plan.stacks),
                    tuple(optim.UPDATE_STATS_SPEC for _ in self.plan.stacks)),
-    )(stack_states, tuple(routing.stacks[s.name] for s in self.plan.stacks),
-      self._placed(grads), jnp.asarray(pending, bool))
+    )(stack_states, routings, self._placed(grads),
+      jnp.asarray(pending, bool))
     names = [s.name for s in self.plan.stacks]
     return (CollectionState(dict(zip(names, new_states))),
             dict(zip(names, stats)))

@@ -58,6 +58,30 @@ def place(x: jax.Array, sharding: NamedSharding) -> jax.Array:
   return jax.lax.with_sharding_constraint(x, sharding)
 
 
+def place_state(tree, specs, mesh, what: str):
+  """State leaves (tables, optimizer state) onto their `specs`.
+
+  Tracers and arrays that were not placed are placed; a committed array on
+  another sharding is an error (moving a huge table silently is not our
+  call). `specs` is a pytree prefix of `tree` (None leaves match None).
+  """
+  def one(path, x, spec):
+    sharding = NamedSharding(mesh, spec)
+    if not validation.is_committed(x):
+      return place(x, sharding)
+    if len(jax.devices()) > 1 and not x.sharding.is_equivalent_to(
+        sharding, x.ndim):
+      raise validation.ShardingError(
+          f"pallas_emb {what}{jax.tree_util.keystr(path)} is sharded as "
+          f"{x.sharding}; expected {spec}. Place it with jax.device_put(x, "
+          f"NamedSharding(mesh, {spec})), or pass the state the collection "
+          "returned.")
+    return x
+  return jax.tree_util.tree_map_with_path(
+      lambda path, spec, x: one(path, x, spec), specs, tree,
+      is_leaf=lambda v: isinstance(v, P))
+
+
 def place_table(ctx: EmbeddingContext, table: jax.Array) -> jax.Array:
   """A table that was not placed (fresh array, tracer) onto its sharding.
 

@@ -272,11 +272,14 @@ def as_ids(ids, what: str = "token_ids") -> jax.Array:
   if not isinstance(ids, (jax.Array, jax.core.Tracer)):
     try:
       host = np.asarray(ids)
-    except (TypeError, ValueError) as e:
-      raise InputError(
-          f"pallas_emb {what} of type {type(ids).__name__} is not an array of "
-          "integer ids; pass an int32 array (jnp.asarray(ids, jnp.int32)).") \
-          from e
+    except (TypeError, ValueError, jax.errors.TracerArrayConversionError):
+      try:  # e.g. a list of traced scalars
+        return as_ids(jnp.asarray(ids), what)
+      except (TypeError, ValueError) as e:
+        raise InputError(
+            f"pallas_emb {what} of type {type(ids).__name__} is not an array "
+            "of integer ids; pass an int32 array (jnp.asarray(ids, "
+            "jnp.int32)).") from e
     if host.dtype == np.int32:
       return jnp.asarray(host)
     if host.size == 0 and host.dtype == np.float64:

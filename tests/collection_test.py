@@ -18,6 +18,7 @@ from absl.testing import parameterized
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec as P
 
 import numpy_model
 import pallas_emb as pe
@@ -374,6 +375,27 @@ class ValidationTest(parameterized.TestCase):
                            {"f": np.zeros((4, 4), np.float32)})
     with self.assertRaisesRegex(pe.InputError, "state is a dict"):
       coll.lookup({"stack0": None}, {"f": np.zeros(4, np.int32)})
+
+  def test_unplaced_inputs_are_placed_on_explicit_meshes(self):
+    mesh = test_util.mesh({"x": 4}, explicit=True)
+    coll = self._coll(mesh=mesh)
+    state = coll.init(jax.random.key(0))
+    batch, grads = {"f": [1, 2, 3, 4]}, {"f": np.ones((4, 8), np.float32)}
+    new, stats = coll.apply_gradients(state, batch, grads)
+    self.assertEqual(int(stats["stack0"].valid), 1)
+    # Abstract (unplaced) state under jit: placed, not a shard_map error.
+    abstract = jax.eval_shape(coll.init, jax.random.key(0))
+    jax.jit(coll.apply_gradients).lower(abstract, batch, grads)
+    wrong = jax.device_put(state.stacks["stack0"].table,
+                           jax.sharding.NamedSharding(mesh, P(None, None)))
+    bad = pe.CollectionState(
+        {"stack0": state.stacks["stack0"]._replace(table=wrong)})
+    with self.assertRaisesRegex(pe.ShardingError, re.escape(
+        "expected P(None, 'x')")):
+      coll.apply_gradients(bad, batch, grads)
+    with self.assertRaisesRegex(pe.ShardingError, re.escape(
+        "expected P(None, 'x')")):
+      coll.lookup(bad, batch)
 
 
 if __name__ == "__main__":
