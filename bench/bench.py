@@ -116,10 +116,15 @@ _LAZY = flags.DEFINE_bool(
     "lazy", False, "Lazy row-wise Adagrad (half-life 1000 steps).")
 OPTIMIZERS = ("sgd", "adagrad", "rowwise_adagrad", "adam",
               "partial_rowwise_adam", "ftrl")
-_OPTIMIZER = flags.DEFINE_enum(
-    "optimizer", "rowwise_adagrad", OPTIMIZERS,
-    "The table's sparse optimizer (DESIGN §12), default hyper-parameters "
-    "but --learning_rate; --lazy applies to rowwise_adagrad.")
+_OPTIMIZER = flags.DEFINE_list(
+    "optimizer", ["rowwise_adagrad"],
+    f"The table's sparse optimizer(s) (DESIGN §12), of {OPTIMIZERS}; "
+    "several are timed in the same rounds (--scan: the first). Default "
+    "hyper-parameters but --learning_rate; --lazy applies to "
+    "rowwise_adagrad.")
+flags.register_validator(
+    "optimizer", lambda names: bool(names) and set(names) <= set(OPTIMIZERS),
+    f"--optimizer takes one or more of {OPTIMIZERS}")
 _COPY_MB = flags.DEFINE_integer(
     "copy_mb", 256, "Size of the buffer of the copy-bandwidth probe.")
 _MAX_DENSE_GB = flags.DEFINE_float(
@@ -605,7 +610,7 @@ def add_ratios(records: list[dict]) -> None:
   def key(r):
     return (r["what"], r.get("dtype"), r.get("vocab_rows"),
             r.get("tokens_per_batch"), r.get("num_devices"),
-            r.get("emb_width"))
+            r.get("emb_width"), r.get("optimizer"))
   groups: dict = {}
   for r in records:
     groups.setdefault(key(r), []).append(r)
@@ -835,8 +840,9 @@ def format_table(records: list[dict]) -> str:
     head = ("op", "backend", "dtype", "width", "tokens", "median ms",
             "IQR ms", "GB/s", "%copy", "%same-size copy", "vs xla")
   else:
-    head = ("what", "case", "backend", "dtype", "dev", "rows", "tokens",
-            "median ms", "IQR ms", "min-max ms", "Mtok/s", "GB/s", "%copy",
+    head = ("what", "case", "optimizer", "backend", "dtype", "dev", "rows",
+            "tokens", "median ms", "IQR ms", "min-max ms", "Mtok/s", "GB/s",
+            "%copy",
             "gath GB/s", "temp", "peak", "coll HLO", "coll min",
             "tbl ops", "vs dense", "temp/dense", "vs xla")
   rows = [head]
@@ -863,7 +869,9 @@ def format_table(records: list[dict]) -> str:
       continue
     mem = r.get("memory", {})
     rows.append((
-        r["what"], r["case"], r["backend"], r["dtype"],
+        r["what"], r["case"],
+        r.get("optimizer", "-") if r["case"] != "dense" else "optax.adagrad",
+        r["backend"], r["dtype"],
         str(r["num_devices"]), f"{r['vocab_rows']:.0e}",
         str(r["tokens_per_batch"]), ms("median_s"), iqr,
         f"{1e3 * r['min_s']:.2f}-{1e3 * r['max_s']:.2f}",
@@ -969,13 +977,15 @@ def run(argv_flags=None) -> dict:
                 num_devices=_NUM_DEVICES.value, dtype=_DTYPE.value[0],
                 seed=_SEED.value, permute_ids=_PERMUTE.value,
                 lazy=_LAZY.value, learning_rate=_LR.value,
-                num_batches=_NUM_BATCHES.value, optimizer=_OPTIMIZER.value)
+                num_batches=_NUM_BATCHES.value,
+                optimizer=_OPTIMIZER.value[0])
     base.update(over)
     return Workload(**base)
 
   if not _SCAN.value:
     vocabs = [_VOCAB.value] + _scan_values(_ALSO_VOCAB.value)
-    works = [work(dtype=d, vocab_rows=v) for v in vocabs for d in _DTYPE.value]
+    works = [work(dtype=d, vocab_rows=v, optimizer=o) for v in vocabs
+             for d in _DTYPE.value for o in _OPTIMIZER.value]
     doc["results"] = run_workloads(works, what, backends, baselines,
                                    _REPEATS.value, _WARMUP.value, devices,
                                    copy, pipelined)

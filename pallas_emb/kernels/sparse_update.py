@@ -77,7 +77,9 @@ class UpdateRule(Protocol):
   rounded as the rule wants (the kernel casts them to the table dtype).
   Both must be elementwise per row, so that any tile computes the same
   bits, and should use `common.unfused_product` for every product that
-  feeds a sum (see its docstring).
+  feeds a sum (see its docstring). `updates_zero_rows`: whether a row whose
+  gradient is all zero (`row_sq == 0`, a padding slot) is updated at all.
+  `kernel_name` names the pallas_call (profiles, HLO).
   """
   kernel_name: str
   row_slots: tuple[str, ...]
