@@ -38,20 +38,29 @@ class DedupResult(NamedTuple):
   num_overflow: jax.Array
 
 
-def unique_and_segments(keys: jax.Array, num_unique: int):
+def unique_and_segments(keys: jax.Array, num_unique: int, *,
+                        on_cpu: bool = False):
   """Sorted unique keys (padded with FILL_VALUE) and each key's slot.
 
   `keys` are int32 rows; FILL_VALUE marks a key that takes no slot (and
-  gets segment -1). One sort with the positions as payload gives both the
-  unique list and, through the inverse permutation, every key's slot: no
-  searchsorted (a chain of log N small kernels on GPU).
+  gets segment -1). Two formulations, the same results:
+
+  * accelerators: one sort with the positions as payload gives the unique
+    list and, through the inverse permutation, every key's slot (no
+    searchsorted: a chain of log N small kernels on GPU);
+  * `on_cpu`: XLA:CPU sorts a lone int32 array several times faster than
+    one with a payload, and its searchsorted is one fused loop, so the keys
+    are sorted alone and each finds its slot by binary search.
 
   Returns `(unique_tokens[num_unique], segment_ids like keys, num_distinct,
   num_overflow)`; keys whose slot is >= num_unique get segment -1 and are
   counted in num_overflow.
   """
   n = keys.shape[0]
-  ordered, order = lax.sort((keys, lax.iota(jnp.int32, n)), num_keys=1)
+  if on_cpu:
+    ordered = jnp.sort(keys)
+  else:
+    ordered, order = lax.sort((keys, lax.iota(jnp.int32, n)), num_keys=1)
   is_first = jnp.concatenate(
       [ordered[:1] != FILL_VALUE, (ordered[1:] != ordered[:-1])
        & (ordered[1:] != FILL_VALUE)])
@@ -59,11 +68,23 @@ def unique_and_segments(keys: jax.Array, num_unique: int):
   num_distinct = slot[-1] + 1
   unique_tokens = jnp.full((num_unique,), FILL_VALUE, jnp.int32).at[
       jnp.where(is_first, slot, num_unique)].set(ordered, mode="drop")
-  keep = (ordered != FILL_VALUE) & (slot < num_unique)
-  segment_ids = jnp.zeros((n,), jnp.int32).at[order].set(
-      jnp.where(keep, slot, -1), unique_indices=True)
+  if on_cpu:
+    # Every non-FILL key is in `unique_tokens` unless its slot overflowed.
+    found = jnp.searchsorted(unique_tokens, keys).astype(jnp.int32)
+    keep = (keys != FILL_VALUE) & (found < num_unique) & (
+        jnp.take(unique_tokens, found, mode="clip") == keys)
+    segment_ids = jnp.where(keep, found, -1)
+  else:
+    keep = (ordered != FILL_VALUE) & (slot < num_unique)
+    segment_ids = jnp.zeros((n,), jnp.int32).at[order].set(
+        jnp.where(keep, slot, -1), unique_indices=True)
   num_overflow = jnp.maximum(num_distinct - num_unique, 0)
   return unique_tokens, segment_ids, num_distinct, num_overflow
+
+
+def on_cpu(ctx: EmbeddingContext) -> bool:
+  """Whether the context's devices are CPUs (picks the dedup formulation)."""
+  return ctx.mesh.devices.flat[0].platform == "cpu"
 
 
 def update_keys(ids: jax.Array, vocab_rows: int,
@@ -91,7 +112,8 @@ def _dedup_per_rank(ctx, vocab_rows, ids):
   # table takes no slot (lookup clamps it, the update skips it). The padding
   # id keeps its slot, as in the reference, but gets no gradient.
   unique_tokens, segments, num_distinct, num_overflow = unique_and_segments(
-      update_keys(everyone, vocab_rows, None), ctx.num_unique)
+      update_keys(everyone, vocab_rows, None), ctx.num_unique,
+      on_cpu=on_cpu(ctx))
   if ctx.padding_id is not None:
     segments = jnp.where(everyone == ctx.padding_id, -1, segments)
   mine = segments

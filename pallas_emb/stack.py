@@ -31,6 +31,7 @@ from pallas_emb import kernels
 from pallas_emb import optim
 from pallas_emb.dedup import FILL_VALUE
 from pallas_emb.kernels import common
+from pallas_emb.dedup import on_cpu
 from pallas_emb.dedup import unique_and_segments
 from pallas_emb.lookup import dense_table_grad
 from pallas_emb.validation import EmbeddingContext
@@ -287,7 +288,7 @@ def route(call: StackCall, keys_all, weights_all) -> StackRouting:
     keys = lax.all_gather(keys, exchange.axis_name(ctx.replica_axis),
                           axis=0, tiled=True)
   unique, segments, distinct, overflow = unique_and_segments(
-      keys, ctx.num_unique)
+      keys, ctx.num_unique, on_cpu=on_cpu(ctx))
   if ctx.replica_axis:
     replica = lax.axis_index(exchange.axis_name(ctx.replica_axis))
     segments = lax.dynamic_slice_in_dim(segments, replica * n, n)

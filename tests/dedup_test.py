@@ -13,6 +13,7 @@ import numpy as np
 
 import numpy_model
 import pallas_emb as pe
+from pallas_emb.dedup import unique_and_segments
 
 VOCAB = 29
 
@@ -100,6 +101,23 @@ class DedupTest(chex.TestCase):
         pe.UniqueOverflowError, "batch has 16 distinct ids but num_unique=4"):
       pe.raise_if_overflow(result.num_overflow, result.num_distinct, 4)
     pe.raise_if_overflow(jnp.int32(0), jnp.int32(3), 4)
+
+  @parameterized.parameters(5, 40, 200)
+  def test_cpu_and_accelerator_formulations_agree(self, num_unique):
+    # The CPU runs sort + searchsorted, accelerators one sort with the
+    # positions as payload: the same results, FILL keys and overflow too.
+    rng = np.random.default_rng(num_unique)
+    keys = rng.integers(0, 60, 300).astype(np.int32)
+    keys[rng.random(300) < 0.2] = pe.FILL_VALUE
+    both = [jax.jit(functools.partial(unique_and_segments,
+                                      num_unique=num_unique, on_cpu=c))(keys)
+            for c in (True, False)]
+    for a, b in zip(*both):
+      np.testing.assert_array_equal(a, b)
+    uniq = np.unique(keys[keys != pe.FILL_VALUE])
+    np.testing.assert_array_equal(both[0][0][:min(num_unique, uniq.size)],
+                                  uniq[:num_unique])
+    self.assertEqual(int(both[0][3]), max(0, uniq.size - num_unique))
 
   def test_default_num_unique_never_overflows(self):
     self.assertEqual(pe.default_num_unique(16, 1000), 17)
