@@ -1,29 +1,37 @@
-"""Train a biased matrix factorisation with sharded tables: the example program.
+"""Train a recommender with sharded tables: the example program.
 
 From the repository root:
 
     python -m examples.train --config=configs/tiny.py
     python -m examples.train --config=configs/movielens.py --split_seed=3
+    python -m examples.train --config=configs/movielens_features.py
     python -m examples.train --config=configs/large.py --help
 
-A config is a python file whose `get_config()` returns a `configs.TrainConfig`;
-every field is a flag (`--<field>=value`, see `--help`) defaulting to the
-config file's value.
+A config is a python file whose `get_config()` returns a `configs.TrainConfig`
+(the biased MF) or an `examples.feature_config.FeaturesConfig` (the feature
+model); every field is a flag (`--<field>=value`, see `--help`) defaulting
+to the config file's value.
 
-The model (`examples/models.py`): two `pallas_emb.flax.Embed` tables (user,
-item) column-sharded over a 1-D mesh axis "x" of all devices, and
-`pred = mu + <p_u, q_i> + b_u + b_i`, where the bias of each row is its last
-column. The tables train with the fused sparse `RowwiseAdagrad` through the
-pipelined (one-step-stale) step of `pallas_emb.Trainer`, via
-`pallas_emb.flax.FlaxTrainer`; `mu` with optax Adam. Test predictions of
+The biased MF (`examples/models.py` `BiasedMF`): two `pallas_emb.flax.Embed`
+tables (user, item) column-sharded over a 1-D mesh axis "x" of all devices,
+and `pred = mu + <p_u, q_i> + b_u + b_i`, where the bias of each row is its
+last column. The feature model (`FeatureMF`, MovieLens only) adds user and
+item side features and an SVD++ implicit-feedback bag, all through one
+`pallas_emb.flax.EmbeddingCollection` (tables in three stacks, bags pooled
+per user / item: examples/features.py). The tables train with the fused
+sparse `RowwiseAdagrad` through the pipelined (one-step-stale) step of
+`pallas_emb.Trainer`, via `pallas_emb.flax.FlaxTrainer`; the dense params
+(`mu`, the side features' projections) with optax Adam. Test predictions of
 rating data are clipped to the rating range seen in training (as Surprise
-does).
+does). With `--validation_fraction` the feature model trains on part of the
+training split and evaluates on the rest (for tuning; test is never read).
 
 `train()` runs the steps in order: load the data, `build` the mesh, model and
 trainer, `_initial_state` (init, or restore a checkpoint), `_train_loop`
 (with `_UpdateMonitor` for the host-side checks and `_Evaluator` for the
 test curve), then `_finish` (the last staged update, checkpoint, metrics,
-report).
+report). A checkpoint also holds the embeddings the next step consumes, so
+a pipelined run resumes exactly where it stopped.
 
 Devices: without a device count in XLA_FLAGS the CPU platform gets 8
 simulated devices (set before jax is imported; it does not affect GPUs, and a
@@ -52,6 +60,7 @@ _simulate_cpu_devices()  # Before jax is imported.
 
 # pylint: disable=g-import-not-at-top,g-bad-import-order,wrong-import-position
 import dataclasses
+import functools
 import itertools
 import json
 import math
@@ -69,13 +78,20 @@ import optax
 import configs
 from configs import ConfigError
 from configs import TrainConfig
+from examples import features as feature_lib
+from examples.feature_config import FeaturesConfig
 from examples.models import BiasedMF
 from examples.models import FEATURES
+from examples.models import feature_collection
+from examples.models import FeatureMF
+from examples.models import IMPLICIT_TABLES
 from examples.models import make_loss
+from examples.models import SIDE_COMBINERS
 from examples.models import TABLE_KEYS
 import pallas_emb as pe
 from pallas_emb import checkpoint
 from pallas_emb import datasets
+from pallas_emb.datasets import movielens
 from pallas_emb.flax import FlaxTrainer
 
 PROGRAM = "examples.train"
@@ -83,14 +99,20 @@ PROGRAM = "examples.train"
 # --- config file + flags -----------------------------------------------------
 
 
+# The config classes: TrainConfig runs the biased MF, FeaturesConfig the
+# feature model (examples/feature_config.py).
+CONFIG_CLASSES = {cls.__name__: cls for cls in (TrainConfig, FeaturesConfig)}
+
+
 def load_config(path: str) -> TrainConfig:
   """`get_config()` of the python file at `path`."""
   config = configs.load_file(path, PROGRAM)
-  if type(config).__name__ != "TrainConfig" or not dataclasses.is_dataclass(
-      config):
+  cls = CONFIG_CLASSES.get(type(config).__name__)
+  if cls is None or not dataclasses.is_dataclass(config):
     raise ConfigError(f"{PROGRAM}: {path}: get_config() returned a "
-                      f"{type(config).__name__}; expected configs.TrainConfig.")
-  return TrainConfig(**dataclasses.asdict(config))
+                      f"{type(config).__name__}; expected configs.TrainConfig "
+                      "or examples.feature_config.FeaturesConfig.")
+  return cls(**dataclasses.asdict(config))
 
 
 def config_path_from_argv(argv: list[str]) -> str | None:
@@ -107,12 +129,12 @@ def config_path_from_argv(argv: list[str]) -> str | None:
 
 def define_flags(defaults: TrainConfig,
                  flag_values: flags.FlagValues = flags.FLAGS) -> None:
-  """One flag per TrainConfig field, defaulting to `defaults`'s values."""
+  """One flag per field of `defaults`'s class, defaulting to its values."""
   flags.DEFINE_string(
       "config", None, "Config file: a python file with get_config() -> "
       "configs.TrainConfig, e.g. configs/tiny.py. Its values are the "
       "defaults of the flags below.", flag_values=flag_values)
-  for field in dataclasses.fields(TrainConfig):
+  for field in dataclasses.fields(defaults):
     value = getattr(defaults, field.name)
     help_text = field.metadata.get("help", field.name)
     define = (flags.DEFINE_boolean if isinstance(value, bool) else
@@ -122,21 +144,23 @@ def define_flags(defaults: TrainConfig,
     define(field.name, value, help_text, flag_values=flag_values)
 
 
-def config_from_flags(flag_values: flags.FlagValues = flags.FLAGS
+def config_from_flags(flag_values: flags.FlagValues = flags.FLAGS,
+                      config_class: type[TrainConfig] = TrainConfig
                       ) -> TrainConfig:
-  return TrainConfig(**{f.name: flag_values[f.name].value
-                        for f in dataclasses.fields(TrainConfig)})
+  return config_class(**{f.name: flag_values[f.name].value
+                         for f in dataclasses.fields(config_class)})
 
 
 def parse_config(argv: list[str]) -> TrainConfig:
   """The config `python -m examples.train <argv[1:]>` would run."""
   path = config_path_from_argv(argv)
   flag_values = flags.FlagValues()
-  define_flags(load_config(path) if path else TrainConfig(), flag_values)
+  defaults = load_config(path) if path else TrainConfig()
+  define_flags(defaults, flag_values)
   rest = flag_values(argv)
   if len(rest) > 1:
     raise ConfigError(f"{PROGRAM}: unexpected arguments {rest[1:]}.")
-  return config_from_flags(flag_values)
+  return config_from_flags(flag_values, type(defaults))
 
 
 def check_config(config: TrainConfig) -> None:
@@ -160,26 +184,81 @@ def check_config(config: TrainConfig) -> None:
   if config.epochs == 0 and config.num_steps == 0:
     raise ConfigError(f"{PROGRAM}: --epochs=0 and --num_steps=0: "
                       "nothing to train.")
+  if isinstance(config, FeaturesConfig):
+    _check_features_config(config)
+
+
+def _check_features_config(config: FeaturesConfig) -> None:
+  if config.data != "movielens":
+    raise ConfigError(f"{PROGRAM}: the feature model reads MovieLens side "
+                      f"features; --data={config.data!r} must be 'movielens'.")
+  if config.implicit_table not in IMPLICIT_TABLES:
+    raise ConfigError(f"{PROGRAM}: --implicit_table={config.implicit_table!r}"
+                      f"; expected one of {sorted(IMPLICIT_TABLES)}.")
+  if not 0 <= config.validation_fraction < 1:
+    raise ConfigError(f"{PROGRAM}: --validation_fraction="
+                      f"{config.validation_fraction} must be in [0, 1).")
+  for name in ("side_width", "eval_batch_size", "zip_prefix_len",
+               "year_bucket", "title_buckets"):
+    if getattr(config, name) < 1:
+      raise ConfigError(f"{PROGRAM}: --{name}={getattr(config, name)} must "
+                        "be >= 1.")
+  if config.implicit_max_len < 0:
+    raise ConfigError(f"{PROGRAM}: --implicit_max_len="
+                      f"{config.implicit_max_len} must be >= 0.")
 
 
 # --- data --------------------------------------------------------------------
 
 
-def load_data(config: TrainConfig
-              ) -> tuple[datasets.Dataset, datasets.Dataset]:
-  """(train, test); raises datasets.DataError for missing or malformed data."""
-  if config.data == "movielens":
+# The validation split of split_seed s is carved from its training split
+# with seed VALIDATION_SEED_OFFSET + s.
+VALIDATION_SEED_OFFSET = 1000
+
+
+@dataclasses.dataclass
+class _Data:
+  """What a run trains and evaluates on.
+
+  `evaluate` is the test split, or (with FeaturesConfig.validation_fraction)
+  a validation split carved from the training split; `eval_name` says which.
+  `users` / `items`: the MovieLens side features (feature model only).
+  """
+  train: datasets.Dataset
+  evaluate: datasets.Dataset
+  eval_name: str = "test"
+  users: movielens.SideFeatures | None = None
+  items: movielens.SideFeatures | None = None
+
+
+def _split(dataset: datasets.Dataset, fraction: float, seed: int):
+  try:
+    return datasets.split(dataset, fraction, seed=seed)
+  except ValueError as e:
+    raise ConfigError(str(e)) from e
+
+
+def load_data(config: TrainConfig) -> _Data:
+  """Raises datasets.DataError for missing or malformed data."""
+  users = items = None
+  if isinstance(config, FeaturesConfig):
+    dataset, users, items = movielens.load_movielens_features(
+        config.data_path or None, zip_prefix_len=config.zip_prefix_len,
+        year_bucket=config.year_bucket, title_buckets=config.title_buckets)
+  elif config.data == "movielens":
     dataset = datasets.load_movielens(config.data_path or None)
   else:
     dataset = datasets.synthetic(
         config.num_examples, config.num_users, config.num_items,
         rank=config.signal_rank, zipf_exponent=config.zipf_exponent,
         noise_std=config.noise_std, seed=config.data_seed)
-  try:
-    return datasets.split(dataset, config.test_fraction,
-                          seed=config.split_seed)
-  except ValueError as e:
-    raise ConfigError(str(e)) from e
+  train, test = _split(dataset, config.test_fraction, config.split_seed)
+  if getattr(config, "validation_fraction", 0):
+    # Tuning: the test split is dropped here and never seen.
+    train, val = _split(train, config.validation_fraction,
+                        VALIDATION_SEED_OFFSET + config.split_seed)
+    return _Data(train, val, "val", users, items)
+  return _Data(train, test, "test", users, items)
 
 
 def _place(batch: dict[str, np.ndarray], sharding) -> dict[str, jax.Array]:
@@ -203,27 +282,51 @@ def _fmt_time(seconds: float) -> str:
 class _Run:
   """What the program builds from a config."""
   config: TrainConfig
-  train: datasets.Dataset
-  test: datasets.Dataset
+  data: _Data
   mesh: jax.sharding.Mesh
   collection: pe.EmbeddingCollection
-  model: BiasedMF
+  model: BiasedMF | FeatureMF
   trainer: FlaxTrainer
   rating_range: tuple[float, float] | None
+  # Arrays every batch carries besides its examples (the feature model's
+  # per-entity features): placed once, reused by every step.
+  entity_arrays: dict[str, np.ndarray] = dataclasses.field(
+      default_factory=dict)
+  _placed_entities: dict[str, jax.Array] | None = None
+
+  @property
+  def train(self) -> datasets.Dataset:
+    return self.data.train
 
   @property
   def sharding(self) -> jax.sharding.Sharding:
     """Where batches go: the collection's token sharding."""
     return self.collection.token_sharding()
 
-  def place(self, batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
-    return _place(batch, self.sharding)
+  @property
+  def eval_batch_size(self) -> int:
+    return getattr(self.config, "eval_batch_size", self.config.batch_size)
+
+  def batch(self, batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
+    """A host rating batch, placed, with the entity arrays."""
+    if self._placed_entities is None:
+      self._placed_entities = _place(self.entity_arrays, self.sharding)
+    return dict(_place(batch, self.sharding), **self._placed_entities)
 
 
-def build(config: TrainConfig, train_ds: datasets.Dataset,
-          test_ds: datasets.Dataset) -> _Run:
-  devices = jax.devices()
-  mesh = jax.sharding.Mesh(np.array(devices), ("x",))
+def _sparse_optimizer(config: TrainConfig, lr: float,
+                      weight_decay: float | None = None) -> pe.RowwiseAdagrad:
+  return pe.RowwiseAdagrad(
+      lr, eps=config.emb_eps,
+      initial_accumulator_value=config.emb_initial_accumulator,
+      half_life_steps=config.emb_half_life or None,
+      weight_decay=(config.emb_weight_decay if weight_decay is None
+                    else weight_decay))
+
+
+def _build_biased_mf(config: TrainConfig, mesh, train_ds: datasets.Dataset,
+                     dtype) -> tuple[BiasedMF, pe.EmbeddingCollection]:
+  """Two Embed tables (user, item), trained through a collection."""
   # The Embed layers fix the batch size of their contexts; the collection
   # (tables named after the Embeds' module paths) trains them.
   contexts = {
@@ -233,17 +336,12 @@ def build(config: TrainConfig, train_ds: datasets.Dataset,
           num_unique=pe.default_num_unique(config.batch_size,
                                            train_ds.vocab_sizes[feature]))
       for feature in FEATURES}
-  dtype = jnp.dtype(config.table_dtype)
   model = BiasedMF(
       vocab_sizes=dict(train_ds.vocab_sizes), contexts=contexts,
       emb_width=config.emb_width, param_dtype=dtype,
       init_scale=config.init_scale,
       mean=float(np.mean(train_ds.labels)))
-  optimizer = pe.RowwiseAdagrad(
-      config.emb_lr, eps=config.emb_eps,
-      initial_accumulator_value=config.emb_initial_accumulator,
-      half_life_steps=config.emb_half_life or None,
-      weight_decay=config.emb_weight_decay)
+  optimizer = _sparse_optimizer(config, config.emb_lr)
   collection = pe.EmbeddingCollection(
       [pe.TableSpec(TABLE_KEYS[f], train_ds.vocab_sizes[f], config.emb_width,
                     optimizer=optimizer, dtype=dtype, padding_id=0,
@@ -251,15 +349,65 @@ def build(config: TrainConfig, train_ds: datasets.Dataset,
        for f in FEATURES],
       [pe.FeatureSpec(f, TABLE_KEYS[f]) for f in FEATURES], mesh, "x",
       backend=config.backend or None)
-  trainer = FlaxTrainer(model, collection, make_loss(config.l2),
-                        optax.adam(config.dense_lr),
+  return model, collection
+
+
+def _build_features(config: FeaturesConfig, mesh, data: _Data, dtype
+                    ) -> tuple[FeatureMF, pe.EmbeddingCollection,
+                               feature_lib.Featurizer]:
+  """The feature model: ids, side features and the implicit bag."""
+  train_ds = data.train
+  users = data.users if config.user_features else None
+  items = data.items if config.item_features else None
+  featurizer = feature_lib.Featurizer(
+      users, items,
+      # From the training split only (without the validation split).
+      feature_lib.implicit_bags(train_ds, config.implicit_max_len,
+                                seed=config.seed)
+      if config.implicit else None,
+      implicit_table=IMPLICIT_TABLES[config.implicit_table],
+      combiners=SIDE_COMBINERS, multiple=mesh.size)
+  collection = feature_collection(
+      mesh, vocab_sizes=dict(train_ds.vocab_sizes),
+      entity_features=featurizer.features,
+      side_vocab_sizes={name: vocab for side in (users, items) if side
+                        for name, vocab in side.vocab_sizes.items()},
+      emb_width=config.emb_width, side_width=config.side_width,
+      id_optimizer=_sparse_optimizer(config, config.emb_lr),
+      side_optimizer=_sparse_optimizer(config, config.side_lr),
+      implicit_optimizer=_sparse_optimizer(
+          config, config.implicit_lr or config.emb_lr,
+          config.implicit_weight_decay or None),
+      init_scale=config.init_scale, dtype=dtype,
+      backend=config.backend or None)
+  model = FeatureMF(
+      collection, side_features=featurizer.side_features(),
+      implicit=featurizer.implicit, l2=config.l2, side_l2=config.side_l2,
+      mean=float(np.mean(train_ds.labels)))
+  return model, collection, featurizer
+
+
+def build(config: TrainConfig, data: _Data) -> _Run:
+  devices = jax.devices()
+  mesh = jax.sharding.Mesh(np.array(devices), ("x",))
+  dtype = jnp.dtype(config.table_dtype)
+  entity_arrays = {}
+  if isinstance(config, FeaturesConfig):
+    model, collection, featurizer = _build_features(config, mesh, data,
+                                                    dtype)
+    entity_arrays = featurizer.arrays
+    loss = make_loss(1.0)  # FeatureMF's "l2" output is already weighted.
+  else:
+    model, collection = _build_biased_mf(config, mesh, data.train, dtype)
+    loss = make_loss(config.l2)
+  trainer = FlaxTrainer(model, collection, loss, optax.adam(config.dense_lr),
                         pipelined=config.pipelined)
   rating_range = None
   if config.data == "movielens":
-    rating_range = (float(train_ds.labels.min()),
-                    float(train_ds.labels.max()))
-  return _Run(config, train_ds, test_ds, mesh, collection, model, trainer,
-              rating_range)
+    rating_range = (float(data.train.labels.min()),
+                    float(data.train.labels.max()))
+  return _Run(config, data, mesh, collection, model, trainer, rating_range,
+              entity_arrays)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -279,38 +427,70 @@ def _schedule(config: TrainConfig, train_ds: datasets.Dataset) -> _Schedule:
 
 
 def _describe(run: _Run, schedule: _Schedule) -> str:
-  config, train_ds, test_ds = run.config, run.train, run.test
-  return (f"{PROGRAM}: {train_ds.name} ({train_ds.num_examples} train / "
-          f"{test_ds.num_examples} test, vocab {dict(train_ds.vocab_sizes)})"
+  config, train_ds, eval_ds = run.config, run.train, run.data.evaluate
+  text = (f"{PROGRAM}: {train_ds.name} ({train_ds.num_examples} train / "
+          f"{eval_ds.num_examples} {run.data.eval_name}, vocab "
+          f"{dict(train_ds.vocab_sizes)})"
           f" on {jax.device_count()} {jax.devices()[0].platform} device(s), "
           f"{jax.process_count()} process(es); emb_width {config.emb_width} "
           f"({config.emb_width // jax.device_count()} columns per device), "
           "batch "
           f"{config.batch_size}, {schedule.total_steps} steps, "
           f"{'pipelined' if config.pipelined else 'synchronous'} step.")
+  if isinstance(config, FeaturesConfig):
+    groups = [name for name, on in (("user side", config.user_features),
+                                    ("item side", config.item_features),
+                                    ("implicit bag", config.implicit)) if on]
+    text += (f"\nFeature model: ids{''.join(' + ' + g for g in groups)}; "
+             f"the collection's stacks:\n{run.collection.plan}")
+  return text
 
 
 # --- init or restore ---------------------------------------------------------
 
 
-def _extra(state: pe.PipelineState, step: int):
-  """What a checkpoint stores besides the collection's logical tables."""
+def _extra(state: pe.PipelineState, step: int, next_embeddings):
+  """What a checkpoint stores besides the collection's logical tables.
+
+  `next_embeddings` are the embeddings the next step consumes (see
+  `_next_embeddings`): with them a pipelined run resumes exactly.
+  """
   return {"dense_params": state.dense_params,
-          "dense_opt_state": state.dense_opt_state, "step": step}
+          "dense_opt_state": state.dense_opt_state, "step": step,
+          "next_embeddings": next_embeddings}
+
+
+def _next_embeddings(run: _Run, state: pe.PipelineState, next_batch):
+  """The embeddings of `next_batch` that the next step would consume.
+
+  Pipelined: the state's prefetched lookup, read from the tables before
+  the last staged update (which a checkpoint holds applied); synchronous:
+  a lookup from the state's tables.
+  """
+  if run.config.pipelined:
+    return state.prefetched.embeddings
+  return jax.jit(run.collection.lookup)(state.embedding, next_batch)
 
 
 def _restore(run: _Run, state: pe.PipelineState, saved: int, first_batch):
   """(state, step) of checkpoint `saved` in config.checkpoint_dir.
 
-  Restored onto `state`'s layout; a pipelined state re-issues the lookup of
-  `first_batch` from the restored tables (nothing is staged).
+  Restored onto `state`'s layout. A pipelined state consumes the saved
+  next_embeddings first, as the uninterrupted run would have (nothing is
+  staged: the checkpoint's tables hold the last update), so resuming gives
+  the same result as not stopping.
   """
+  template = _extra(state, 0, _next_embeddings(run, state, first_batch))
   embedding, extra = checkpoint.restore_collection(
-      run.config.checkpoint_dir, run.collection, step=saved,
-      extra=_extra(state, 0))
-  fresh = run.trainer.init_from(embedding, extra["dense_params"], first_batch)
-  return (fresh._replace(dense_opt_state=extra["dense_opt_state"]),
-          int(extra["step"]))
+      run.config.checkpoint_dir, run.collection, step=saved, extra=template)
+  fresh = run.trainer.init_from(
+      embedding, extra["dense_params"],
+      first_batch if run.config.pipelined else None)
+  fresh = fresh._replace(dense_opt_state=extra["dense_opt_state"])
+  if run.config.pipelined:
+    fresh = fresh._replace(prefetched=fresh.prefetched._replace(
+        embeddings=extra["next_embeddings"]))
+  return fresh, int(extra["step"])
 
 
 @dataclasses.dataclass
@@ -329,20 +509,18 @@ def _initial_state(run: _Run, log: Callable[[str], None]) -> _Start:
   """
   config, trainer = run.config, run.trainer
   stream = datasets.batches(run.train, config.batch_size, seed=config.seed)
-  init_batch = {f: np.zeros(config.batch_size, np.int32) for f in FEATURES}
-  params = jax.jit(run.model.init)(jax.random.key(config.seed),
-                                   run.place(init_batch))["params"]
   saved = (checkpoint.latest_step(config.checkpoint_dir)
            if config.checkpoint_dir else None)
   if saved is not None:
     stream = itertools.islice(stream, saved, None)
-  current = run.place(next(stream))
-  first_batch = current if config.pipelined else None
-  state = trainer.init(params, first_batch)
+  current = run.batch(next(stream))
+  params = jax.jit(run.model.init)(jax.random.key(config.seed),
+                                   current)["params"]
+  state = trainer.init(params, current if config.pipelined else None)
   del params
   start = 0
   if saved is not None:
-    state, start = _restore(run, state, saved, first_batch)
+    state, start = _restore(run, state, saved, current)
     log(f"resumed from {config.checkpoint_dir} at step {start}")
   return _Start(state, stream, current, start)
 
@@ -350,15 +528,44 @@ def _initial_state(run: _Run, log: Callable[[str], None]) -> _Start:
 # --- the training loop -------------------------------------------------------
 
 
+def eval_batches(dataset: datasets.Dataset, batch_size: int, multiple: int
+                 ) -> Iterator[dict[str, np.ndarray]]:
+  """Every example once, in order, in batches of any size.
+
+  Batches of `batch_size` (rounded up to a multiple of `multiple`, the
+  device count, which the collection's batches must divide by) and a
+  shorter last one, padded with id 0, label 0 and weight 0 only up to a
+  multiple of `multiple` (not to `batch_size`: the collection reads the
+  batch size per call). Yields {feature: int32[B], "label", "weight"}.
+  """
+  size = -(-batch_size // multiple) * multiple
+  n = dataset.num_examples
+  columns = dict(dataset.features, **{datasets.LABEL_KEY: dataset.labels})
+  for start in range(0, n, size):
+    real = min(size, n - start)
+    padded = -(-real // multiple) * multiple
+    out = {}
+    for key, values in columns.items():
+      out[key] = np.full(padded, datasets.PAD_ID, values.dtype)
+      out[key][:real] = values[start:start + real]
+    out[datasets.WEIGHT_KEY] = (np.arange(padded) < real).astype(np.float32)
+    yield out
+
+
 class _Evaluator:
-  """Test MSE of a state (weighted over `eval_batches`); keeps the curve."""
+  """Eval-set MSE of a state (weighted over `eval_batches`); keeps the curve.
+
+  The eval set is the test split, or the validation split when tuning.
+  """
 
   def __init__(self, run: _Run):
     self.run = run
     self.seconds = 0.0  # spent evaluating, left out of the training time
-    self.curve: list[tuple[int, float]] = []  # (step, test MSE)
+    self.curve: list[tuple[int, float]] = []  # (step, eval MSE)
     trainer, rating_range = run.trainer, run.rating_range
-    self._flush = jax.jit(trainer.flush)
+    # FlaxTrainer.flush is jitted (not donating): one compilation serves
+    # every evaluation and the last update in _finish.
+    self._flush = trainer.flush
 
     @jax.jit
     def squared_error(state, batch):
@@ -375,15 +582,15 @@ class _Evaluator:
     if self.run.config.pipelined:  # Evaluate with the staged update applied.
       state, _ = self._flush(state)
     sq, count = 0.0, 0.0
-    for batch in datasets.eval_batches(self.run.test,
-                                       self.run.config.batch_size):
-      s, c = self._squared_error(state, self.run.place(batch))
+    for batch in eval_batches(self.run.data.evaluate,
+                              self.run.eval_batch_size, self.run.mesh.size):
+      s, c = self._squared_error(state, self.run.batch(batch))
       sq, count = sq + float(s), count + float(c)
     self.seconds += time.perf_counter() - t0
     return sq / count
 
   def record(self, step: int, state) -> float:
-    """Evaluates and appends (step, test MSE) to the curve."""
+    """Evaluates and appends (step, eval MSE) to the curve."""
     self.curve.append((step, self(state)))
     return self.curve[-1][1]
 
@@ -430,9 +637,11 @@ class _Timing:
 def _train_loop(run: _Run, schedule: _Schedule, begin: _Start,
                 evaluator: _Evaluator, monitor: _UpdateMonitor,
                 log: Callable[[str], None]
-                ) -> tuple[pe.PipelineState, int, _Timing]:
-  """Steps from `begin.step` to `schedule.total_steps`; (state, step, timing).
+                ) -> tuple[pe.PipelineState, int, _Timing, dict]:
+  """Steps from `begin.step` to `schedule.total_steps`.
 
+  Returns (state, step, timing, the next batch): the stream never ends, so
+  the last step prefetches (pipelined) the batch a resumed run starts with.
   Logs progress every `log_every` steps and evaluates every `eval_every`
   steps and after the last one.
   """
@@ -452,15 +661,12 @@ def _train_loop(run: _Run, schedule: _Schedule, begin: _Start,
   timing = _Timing(start=time.perf_counter())
   step = begin.step
   while step < total_steps:
+    following = run.batch(next(stream))
     if config.pipelined:
-      following = (run.place(next(stream)) if step + 1 < total_steps
-                   else current)
       state, metrics = step_fn(state, current, following)
-      current = following
     else:
       state, metrics = step_fn(state, current)
-      if step + 1 < total_steps:
-        current = run.place(next(stream))
+    current = following
     monitor.window.append(metrics)
     step += 1
     if sync_each_step:
@@ -479,12 +685,13 @@ def _train_loop(run: _Run, schedule: _Schedule, begin: _Start,
       log(f"step {step:>7d}/{total_steps}  train_mse {mse:.4f}  "
           f"{rate:,.0f} ex/s  ETA {_fmt_time(eta)}")
     if step % schedule.eval_every == 0 or step == total_steps:
-      test_mse = evaluator.record(step, state)
-      log(f"step {step:>7d}  test_mse {test_mse:.4f}  "
-          f"test_rmse {math.sqrt(test_mse):.4f}")
+      eval_mse = evaluator.record(step, state)
+      name = run.data.eval_name
+      log(f"step {step:>7d}  {name}_mse {eval_mse:.4f}  "
+          f"{name}_rmse {math.sqrt(eval_mse):.4f}")
   jax.block_until_ready(state)
   timing.end = time.perf_counter()
-  return state, step, timing
+  return state, step, timing, current
 
 
 # --- finish: last update, checkpoint, metrics, report ------------------------
@@ -492,11 +699,11 @@ def _train_loop(run: _Run, schedule: _Schedule, begin: _Start,
 
 def _finish(run: _Run, state: pe.PipelineState, step: int, start: int,
             timing: _Timing, evaluator: _Evaluator, monitor: _UpdateMonitor,
-            log: Callable[[str], None]) -> dict:
+            next_batch: dict, log: Callable[[str], None]) -> dict:
   """Applies the last staged update, saves, evaluates; the metrics dict."""
   config, train_ds = run.config, run.train
-  if config.pipelined:  # The last staged update.
-    state, stats = jax.jit(run.trainer.flush, donate_argnums=0)(state)
+  if config.pipelined:  # The last staged update (prefetched is unchanged).
+    state, stats = run.trainer.flush(state)
     monitor.check_updates(jax.device_get(stats))
   timed_steps = step - timing.first_step if timing.first is not None else 0
   eval_seconds = evaluator.seconds
@@ -506,20 +713,25 @@ def _finish(run: _Run, state: pe.PipelineState, step: int, start: int,
                 if timed_steps else float("nan"))
   if not evaluator.curve:  # Resumed at or past total_steps: nothing trained.
     evaluator.record(step, state)
-  test_mse = evaluator.curve[-1][1]
+  eval_mse = evaluator.curve[-1][1]
 
   if config.checkpoint_dir and step > start:
-    checkpoint.save_collection(config.checkpoint_dir, run.collection,
-                               state.embedding, extra=_extra(state, step),
-                               step=step)
+    checkpoint.save_collection(
+        config.checkpoint_dir, run.collection, state.embedding,
+        extra=_extra(state, step, _next_embeddings(run, state, next_batch)),
+        step=step)
     log(f"saved checkpoint {config.checkpoint_dir}/{step}")
 
   train_seconds = timing.end - timing.start - eval_seconds
+  # "test_*" keys, or "val_*" when tuning on a validation split.
+  name = run.data.eval_name
   metrics = {
       "config": dataclasses.asdict(config),
+      "model": type(run.model).__name__,
       "dataset": train_ds.name.split("/")[0],
+      "eval_set": name,
       "train_examples": train_ds.num_examples,
-      "test_examples": run.test.num_examples,
+      f"{name}_examples": run.data.evaluate.num_examples,
       "vocab_sizes": dict(train_ds.vocab_sizes),
       "devices": jax.device_count(),
       "platform": jax.devices()[0].platform,
@@ -529,17 +741,18 @@ def _finish(run: _Run, state: pe.PipelineState, step: int, start: int,
       "train_seconds": train_seconds,
       "eval_seconds": eval_seconds,
       "examples_per_sec": throughput if timed_steps else None,
-      "test_loss": test_mse,
-      "test_rmse": math.sqrt(test_mse),
+      f"{name}_loss": eval_mse,
+      f"{name}_rmse": math.sqrt(eval_mse),
       "label_floor": train_ds.label_floor,
       "skipped_updates": monitor.skipped,
       "train_curve": [{"step": s, "train_mse": v} for s, v in monitor.curve],
-      "test_curve": [{"step": s, "test_mse": v} for s, v in evaluator.curve],
+      f"{name}_curve": [{"step": s, f"{name}_mse": v}
+                        for s, v in evaluator.curve],
   }
   log(f"done: {step} steps in {_fmt_time(train_seconds)} "
       f"(+{eval_seconds:.1f}s eval; {throughput:,.0f} examples/s after "
-      f"compile); test_mse "
-      f"{test_mse:.4f} test_rmse {math.sqrt(test_mse):.4f}"
+      f"compile); {name}_mse "
+      f"{eval_mse:.4f} {name}_rmse {math.sqrt(eval_mse):.4f}"
       + (f" (noise floor {train_ds.label_floor:.4f})"
          if train_ds.label_floor is not None else "")
       + f"; skipped updates {monitor.skipped}.")
@@ -564,20 +777,19 @@ def train(config: TrainConfig, log: Callable[[str], None] = print) -> dict:
   cannot run.
   """
   check_config(config)
-  train_ds, test_ds = load_data(config)
-  run = build(config, train_ds, test_ds)
+  run = build(config, load_data(config))
   is_main = jax.process_index() == 0
   log = log if is_main else (lambda _: None)
-  schedule = _schedule(config, train_ds)
+  schedule = _schedule(config, run.train)
   log(_describe(run, schedule))
 
   begin = _initial_state(run, log)
   evaluator = _Evaluator(run)
   monitor = _UpdateMonitor(run.trainer)
-  state, step, timing = _train_loop(run, schedule, begin, evaluator, monitor,
-                                    log)
+  state, step, timing, next_batch = _train_loop(run, schedule, begin,
+                                                evaluator, monitor, log)
   metrics = _finish(run, state, step, begin.step, timing, evaluator, monitor,
-                    log)
+                    next_batch, log)
   if is_main:
     _report(config, metrics, log)
   return metrics
@@ -591,7 +803,7 @@ def write_metrics(path: str, metrics: dict) -> None:
 
 
 def plot_curves(path: str, metrics: dict) -> str:
-  """Draws the train/test MSE curves into `path`; returns a status line."""
+  """Draws the train/eval MSE curves into `path`; returns a status line."""
   try:
     import matplotlib  # pylint: disable=import-outside-toplevel
     matplotlib.use("Agg")
@@ -600,16 +812,21 @@ def plot_curves(path: str, metrics: dict) -> str:
     return (f"matplotlib is not installed, so no plot was written to {path} "
             "(pip install matplotlib).")
   fig, ax = plt.subplots(figsize=(6, 4))
-  for name, key in (("train", "train_curve"), ("test", "test_curve")):
-    points = metrics[key]
+  eval_name = metrics.get("eval_set", "test")
+  for name in ("train", eval_name):
+    points = metrics[f"{name}_curve"]
     ax.plot([p["step"] for p in points], [p[f"{name}_mse"] for p in points],
-            marker="." if name == "test" else None, label=f"{name} MSE")
+            marker="." if name != "train" else None, label=f"{name} MSE")
   if metrics.get("label_floor") is not None:
     ax.axhline(metrics["label_floor"], color="gray", ls=":",
                label="noise floor")
   ax.set_xlabel("step")
   ax.set_ylabel("MSE")
-  ax.set_title(f"{metrics['dataset']}: test RMSE {metrics['test_rmse']:.4f}")
+  title = f"{metrics['dataset']}: {eval_name} RMSE " \
+      f"{metrics[f'{eval_name}_rmse']:.4f}"
+  if metrics.get("model", "BiasedMF") != "BiasedMF":
+    title += f" ({metrics['model']})"
+  ax.set_title(title)
   ax.legend()
   fig.tight_layout()
   os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
@@ -639,10 +856,11 @@ def initialize_distributed(config: TrainConfig) -> None:
   jax.distributed.initialize(**kwargs)
 
 
-def _main(argv: list[str]) -> int:
+def _main(argv: list[str], config_class: type[TrainConfig] = TrainConfig
+          ) -> int:
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments {argv[1:]}")
-  config = config_from_flags()
+  config = config_from_flags(flags.FLAGS, config_class)
   if not flags.FLAGS["verbosity"].present:
     # Quiet the INFO chatter of jax and orbax; --verbosity=0 brings it back.
     logging.set_verbosity(logging.WARNING)
@@ -665,7 +883,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"error: {e}", file=sys.stderr)
     sys.exit(1)
   define_flags(defaults)
-  app.run(_main, argv=argv)
+  app.run(functools.partial(_main, config_class=type(defaults)), argv=argv)
 
 
 if __name__ == "__main__":

