@@ -117,31 +117,6 @@ def feature_collection(mesh: jax.sharding.Mesh, *, vocab_sizes: dict[str, int],
   return pe.EmbeddingCollection(tables, features, mesh, "x", backend=backend)
 
 
-class PooledEmbeddingCollection(pe_flax.EmbeddingCollection):
-  """`pe_flax.EmbeddingCollection` that accepts pooled features under
-  FlaxTrainer.
-
-  Works around pallas_emb/flax.py `EmbeddingCollection._check_supplied`,
-  which expects `ids.shape + (emb_width,)` for every feature and so rejects
-  a pooled feature's `[B, emb_width]` (its ids are `[B, L]`). Same check,
-  pooled shapes right; drop this class once the library's check is fixed.
-  """
-
-  def _check_supplied(self, supplied, batch):
-    coll = self.collection
-    for name, spec in coll.features.items():
-      ids = tuple(jnp.shape(batch[name]))
-      expected = ((ids[:1] if spec.combiner else ids) +
-                  (coll.tables[spec.table].emb_width,))
-      if tuple(supplied[name].shape) != expected:
-        raise pe.InputError(
-            f"{type(self).__name__} {self.name!r}: batch[{name!r}] of shape "
-            f"{ids} needs embeddings of shape {expected}; FlaxTrainer looked "
-            f"up {tuple(supplied[name].shape)}. Call the module with the "
-            "batch's ids, unchanged.")
-    return supplied
-
-
 def _per_example(emb, batch, feature, sharding) -> jax.Array:
   """An entity feature's embeddings for each example of the batch.
 
@@ -186,7 +161,7 @@ class FeatureMF(nn.Module):
 
   @nn.compact
   def __call__(self, batch):
-    emb = PooledEmbeddingCollection(self.collection, name="embed")(batch)
+    emb = pe_flax.EmbeddingCollection(self.collection, name="embed")(batch)
     emb = {k: v.astype(jnp.float32) for k, v in emb.items()}
     sharding = self.collection.token_sharding()
     rows = {side: emb[side] for side in FEATURES}

@@ -46,6 +46,7 @@ from jax.sharding import PartitionSpec as P
 from pallas_emb import exchange
 from pallas_emb import pipeline
 from pallas_emb import validation
+from pallas_emb.collection import Bag
 from pallas_emb.collection import CollectionState
 from pallas_emb.collection import EmbeddingCollection as Collection
 from pallas_emb.collection import StackState
@@ -261,8 +262,11 @@ class EmbeddingCollection(nn.Module):
           f"without ids for features {missing}; call it with the batch "
           "FlaxTrainer was given.")
     for name, spec in coll.features.items():
-      shape = tuple(jnp.shape(batch[name]))
-      expected = shape + (coll.tables[spec.table].emb_width,)
+      value = batch[name]
+      shape = tuple(jnp.shape(value.ids if isinstance(value, Bag) else value))
+      # A pooled feature gives one row per example, a sequence one per id.
+      expected = ((shape[:1] if spec.combiner else shape)
+                  + (coll.tables[spec.table].emb_width,))
       if tuple(supplied[name].shape) != expected:
         raise InputError(
             f"pallas_emb.flax.EmbeddingCollection {_path(self)!r} was called "

@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from pallas_emb import exchange
 from pallas_emb.collection import CollectionState
 from pallas_emb.collection import EmbeddingCollection
 from pallas_emb.collection import Routing
@@ -147,7 +148,10 @@ class Trainer:
     # (b) the lookup of batch t+1 reads the updated tables; it depends on
     # nothing of the backward, so it overlaps it.
     prefetched = Prefetched(*coll.lookup_and_route(embedding, next_batch))
-    # (c) stage batch t's gradients for step t+1.
+    # (c) stage batch t's gradients for step t+1, laid out like the
+    # embeddings (else XLA may pick another layout and step 2 recompiles).
+    emb_grads = {k: exchange.place(g, coll.token_sharding())
+                 for k, g in emb_grads.items()}
     staged = Staged(emb_grads, state.prefetched.routing, jnp.asarray(True))
     return (PipelineState(embedding, params, dense_opt, prefetched, staged),
             StepMetrics(loss, aux, stats))

@@ -18,7 +18,6 @@ import importlib
 import os
 import subprocess
 import sys
-import unittest
 
 from absl.testing import absltest
 from absl.testing import parameterized
@@ -918,10 +917,8 @@ class EmbeddingCollectionModuleTest(parameterized.TestCase):
       assert_table_sharded(self, self.mesh,
                            trained["embed"][stack.name].value)
 
-  # collection.py: the dense cotangent of `coll.lookup` routes gradients
-  # to padding rows (and to rows clamped from out-of-range ids), which the
-  # sparse update never touches; proposed fix in the report to the lead.
-  @unittest.expectedFailure
+  # The dense cotangent of `coll.lookup` gives nothing to padding rows (nor
+  # to rows clamped from out-of-range ids), as the sparse update.
   def test_jax_grad_skips_padding_id(self):
     opt = pe.RowwiseAdagrad(0.1)
     coll = pe.EmbeddingCollection(
@@ -940,14 +937,21 @@ class EmbeddingCollectionModuleTest(parameterized.TestCase):
 
     table = np.asarray(params["params"]["stack0"])
 
-    def ref_loss(table):
-      emb = {k: table[jnp.where(host[k] < 0, host[k] + 29, host[k])]
-             for k in ("item", "history")}
+    def ref_loss(table, padding_trains=False):
+      emb = {}
+      for k in ("item", "history"):
+        rows = table[jnp.where(host[k] < 0, host[k] + 29, host[k])]
+        # The padding id (the raw id 0, not -29 that wraps onto row 0)
+        # gets no gradient.
+        pad = (host[k] == 0)[..., None]
+        emb[k] = (rows if padding_trains else
+                  jnp.where(pad, jax.lax.stop_gradient(rows), rows))
       return jnp.sum(weights @ (emb["item"] + emb["history"].sum(1)))
 
     expected = np.array(jax.jit(jax.grad(ref_loss))(table))
-    self.assertTrue(np.any(expected[0] != 0))
-    expected[0] = 0  # the padding row gets no gradient
+    with_padding = np.array(jax.jit(jax.grad(
+        functools.partial(ref_loss, padding_trains=True)))(table))
+    self.assertTrue(np.any(expected[0] != with_padding[0]))
     grads_close(self, jax.jit(jax.grad(loss))(params)["params"]["stack0"],
                 expected)
 
@@ -995,6 +999,54 @@ class EmbeddingCollectionModuleTest(parameterized.TestCase):
         test_util.assert_bits_equal(
             self, jax.jit(model.apply)({"params": out}, batches[1]),
             test_util.as_numpy(jax.jit(trainer.apply)(state, batches[1])))
+
+  def test_pooled_feature_under_flax_trainer(self):
+    # A pooled feature (ids [B, L] in a pe.Bag) gives one row per example.
+    coll = pe.EmbeddingCollection(
+        [pe.TableSpec("items", 29, 16, optimizer=pe.RowwiseAdagrad(0.2))],
+        [pe.FeatureSpec("item", "items"),
+         pe.FeatureSpec("bag", "items", combiner="mean")],
+        self.mesh, "x", backend="xla")
+
+    class Model(nn.Module):
+      @nn.compact
+      def __call__(self, batch):
+        emb = pe_flax.EmbeddingCollection(coll, name="embed")(batch)
+        x = jnp.concatenate([emb["item"], emb["bag"]], axis=-1)
+        return nn.Dense(1, name="out")(x)[:, 0]
+
+    rng = np.random.default_rng(3)
+    sharding = coll.token_sharding()
+    batches = [{"item": jax.device_put(rng.integers(0, 29, 16).astype(
+                    np.int32), sharding),
+                "bag": pe.Bag(jax.device_put(rng.integers(0, 29, (16, 3))
+                                             .astype(np.int32), sharding),
+                              lengths=jax.device_put(rng.integers(
+                                  0, 4, 16).astype(np.int32), sharding)),
+                "label": jax.device_put(rng.standard_normal(16).astype(
+                    np.float32), sharding)} for _ in range(4)]
+    model = Model()
+    params = nn.unbox(jax.jit(model.init)(jax.random.key(0),
+                                          batches[0])["params"])
+    trainer = pe_flax.FlaxTrainer(model, coll, mse, optax.sgd(0.1))
+    state, losses = run_trainer(trainer, params, batches)
+
+    def loss_fn(dense, emb, batch):
+      x = jnp.concatenate([emb["item"], emb["bag"]], axis=-1)
+      return mse(x @ dense["kernel"] + dense["bias"][0], batch)
+
+    ref = pe.Trainer(coll, lambda d, e, b: loss_fn(d, e, b), optax.sgd(0.1))
+    dense = {"kernel": params["out"]["kernel"][:, 0],
+             "bias": params["out"]["bias"]}
+    ref_state = ref.init(coll.state_from_stacks(
+        jax.tree.map(jnp.copy, params["embed"])), dense, batches[0])
+    ref_losses = []
+    for t, batch in enumerate(batches):
+      ref_state, metrics = jax.jit(ref.step)(
+          ref_state, batch, batches[min(t + 1, len(batches) - 1)])
+      ref_losses.append(float(metrics.loss))
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-6)
+    self.assertEqual(jax.jit(trainer.apply)(state, batches[0]).shape, (16,))
 
   def test_init_from_a_split_state(self):
     # A trainer that never saw params (e.g. restoring a checkpoint) finds
