@@ -26,6 +26,7 @@ from pallas_emb.errors import UniqueOverflowError
 from pallas_emb.exchange import replicated_sharding
 from pallas_emb.exchange import table_sharding
 from pallas_emb.exchange import token_sharding
+from pallas_emb.kernels import KernelConfig
 from pallas_emb.lookup import count_out_of_range
 from pallas_emb.lookup import lookup
 from pallas_emb.lookup import raise_if_out_of_range
@@ -77,6 +78,7 @@ __all__ = [
     "HyperParameterError",
     "IdOutOfRangeError",
     "InputError",
+    "KernelConfig",
     "PartialRowwiseAdam",
     "PartialRowwiseAdamState",
     "PipelineMisuse",

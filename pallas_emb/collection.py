@@ -278,6 +278,9 @@ class EmbeddingCollection:
     replica_axis: mesh axis name(s) over which whole copies of the tables
       are kept (the batch is sharded over replica_axis + data_axis).
     backend: "pallas", "interpret", "xla" or None (pallas on GPU, else xla).
+    kernel_config: tile sizes of the Pallas kernels (`kernels.KernelConfig`;
+      None: each kernel's shape heuristic). The Trainer and the layers use
+      the collection's.
 
   Layout rules 1-3 and 5 of DESIGN §2 are checked here; rule 4 (the batch
   shards evenly) at each call, naming the feature.
@@ -288,7 +291,8 @@ class EmbeddingCollection:
                table_axis: str | Sequence[str], *,
                data_axis: str | Sequence[str] | None = None,
                replica_axis: str | Sequence[str] = (),
-               backend: str | None = None):
+               backend: str | None = None,
+               kernel_config: kernels.KernelConfig | None = None):
     tables, features = tuple(tables), tuple(features)
     self.table_axis, self.data_axis, self.replica_axis = (
         validation.check_layout(mesh, table_axis, data_axis, replica_axis,
@@ -297,6 +301,13 @@ class EmbeddingCollection:
     self.group_size = validation.axes_size(mesh, self.table_axis)
     self.num_replicas = validation.axes_size(mesh, self.replica_axis)
     self.backend = validation.resolve_backend(mesh, backend)
+    if kernel_config is not None and not isinstance(kernel_config,
+                                                    kernels.KernelConfig):
+      raise InputError(
+          f"pallas_emb EmbeddingCollection kernel_config is a "
+          f"{type(kernel_config).__name__}; expected a "
+          "pallas_emb.KernelConfig (or None for the shape heuristics).")
+    self.kernel_config = kernel_config
     _check_specs(tables, features)
     for table in tables:
       validation.check_width_shards(table.emb_width, self.group_size,
@@ -564,8 +575,9 @@ class EmbeddingCollection:
     ids, weights = self._inputs(batch)
     shapes = self._shapes(ids)
     calls = self._calls(shapes)
-    fn = functools.partial(_lookup_per_rank, self.backend, self._order(),
-                           calls, route=True)
+    fn = functools.partial(_lookup_per_rank, self.backend,
+                           self.kernel_config, self._order(), calls,
+                           route=True)
     outs, routings = exchange.shard(
         calls[0].ctx, fn,
         in_specs=(self._table_specs(), self._feature_specs(),
@@ -638,7 +650,7 @@ class EmbeddingCollection:
     grads = self._grads(emb_grads, dict(routing.shapes))
     specs = self._state_specs()
     fn = functools.partial(_apply_per_rank, self.backend,
-                           tuple(self.features), calls)
+                           self.kernel_config, tuple(self.features), calls)
     stack_states = self._stack_states(state)
     routings = exchange.place_state(
         tuple(routing.stacks[s.name] for s in self.plan.stacks),
@@ -819,14 +831,15 @@ def _per_stack(coll_order, calls, all_ids, all_weights):
     yield call, ids, weights
 
 
-def _lookup_per_rank(backend, coll_order, calls, tables, all_ids,
-                     all_weights, route):
+def _lookup_per_rank(backend, kernel_config, coll_order, calls, tables,
+                     all_ids, all_weights, route):
   """Embeddings of every feature (collection order) [+ each stack's routing]."""
   outs, routings = {}, []
   for (call, ids, weights), table in zip(
       _per_stack(coll_order, calls, all_ids, all_weights), tables):
     keys_all, weights_all = stack_lib.gather_entries(call, ids, weights)
-    embs = stack_lib.serve(call, backend, table, keys_all, weights_all)
+    embs = stack_lib.serve(call, backend, table, keys_all, weights_all,
+                           kernel_config)
     outs.update(zip((f.name for f in call.features), embs))
     if route:
       routings.append(stack_lib.route(call, keys_all, weights_all))
@@ -847,13 +860,14 @@ def _by_stack(order, calls, values):
   return [[by_name[f.name] for f in call.features] for call in calls]
 
 
-def _apply_per_rank(backend, order, calls, states, routings, all_grads,
-                    pending):
+def _apply_per_rank(backend, kernel_config, order, calls, states, routings,
+                    all_grads, pending):
   new_states, stats = [], []
   for call, state, routing, grads in zip(
       calls, states, routings, _by_stack(order, calls, all_grads)):
     table, opt_state, stack_stats = stack_lib.update(
-        call, backend, state.table, state.opt_state, routing, grads, pending)
+        call, backend, state.table, state.opt_state, routing, grads, pending,
+        kernel_config)
     new_states.append(StackState(table, opt_state))
     stats.append(stack_stats)
   return tuple(new_states), tuple(stats)
@@ -876,8 +890,8 @@ def _dense_grads_per_rank(coll_order, calls, tables, all_ids, all_weights,
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
 def _collection_lookup(coll, calls, tables, all_ids, all_weights):
-  fn = functools.partial(_lookup_per_rank, coll.backend, coll._order(), calls,
-                         route=False)
+  fn = functools.partial(_lookup_per_rank, coll.backend, coll.kernel_config,
+                         coll._order(), calls, route=False)
   return exchange.shard(
       calls[0].ctx, fn,
       in_specs=(coll._table_specs(), coll._feature_specs(),

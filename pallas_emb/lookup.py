@@ -16,10 +16,10 @@ from pallas_emb.validation import EmbeddingContext
 
 
 def serve_rows(ctx: EmbeddingContext, backend: str, table: jax.Array,
-               ids_all: jax.Array) -> jax.Array:
+               ids_all: jax.Array, config=None) -> jax.Array:
   """Per rank: my columns of the communicator's `[W*T]` ids, exchanged back
-  into my tokens' full rows `[T, emb_width]`."""
-  rows = kernels.gather_rows(table, ids_all, backend=backend)
+  into my tokens' full rows `[T, emb_width]` (`config`: the gather's)."""
+  rows = kernels.gather_rows(table, ids_all, backend=backend, config=config)
   return exchange.exchange_rows(ctx, rows)
 
 
@@ -35,9 +35,10 @@ def dense_table_grad(ctx: EmbeddingContext, table: jax.Array,
   return dense.astype(table.dtype)
 
 
-def _lookup_per_rank(ctx, backend, table, ids):
+def _lookup_per_rank(ctx, backend, config, table, ids):
   ids_all = exchange.all_gather_ids(ctx, ids.reshape(-1))
-  return serve_rows(ctx, backend, table, ids_all).reshape(ids.shape + (-1,))
+  return serve_rows(ctx, backend, table, ids_all, config).reshape(
+      ids.shape + (-1,))
 
 
 def _dense_grad_per_rank(ctx, table, ids, cotangent):
@@ -47,21 +48,21 @@ def _dense_grad_per_rank(ctx, table, ids, cotangent):
   return dense_table_grad(ctx, table, ids_all, routed)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _lookup(ctx, backend, table, token_ids):
-  fn = functools.partial(_lookup_per_rank, ctx, backend)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _lookup(ctx, backend, config, table, token_ids):
+  fn = functools.partial(_lookup_per_rank, ctx, backend, config)
   return exchange.shard(
       ctx, fn,
       in_specs=(exchange.table_spec(ctx), exchange.token_spec(ctx)),
       out_specs=exchange.token_spec(ctx))(table, token_ids)
 
 
-def _lookup_fwd(ctx, backend, table, token_ids):
-  return _lookup(ctx, backend, table, token_ids), (table, token_ids)
+def _lookup_fwd(ctx, backend, config, table, token_ids):
+  return _lookup(ctx, backend, config, table, token_ids), (table, token_ids)
 
 
-def _lookup_bwd(ctx, backend, residuals, cotangent):
-  del backend
+def _lookup_bwd(ctx, backend, config, residuals, cotangent):
+  del backend, config
   table, token_ids = residuals
   table_ct = exchange.shard(
       ctx, functools.partial(_dense_grad_per_rank, ctx),
@@ -75,20 +76,23 @@ _lookup.defvjp(_lookup_fwd, _lookup_bwd)
 
 
 def lookup(ctx: EmbeddingContext, table: jax.Array, token_ids: jax.Array, *,
-           backend: str | None = None) -> jax.Array:
+           backend: str | None = None, kernel_config=None) -> jax.Array:
   """Embeddings `token_ids.shape + (emb_width,)` of a column-sharded table.
 
   A pure copy of `table[ids]` (negative ids wrapped once, then clamped into
   the table), sharded like the ids. Ids may be any integer array-like; they
-  are converted to int32 and placed on the context's token sharding. Differentiable w.r.t. the table: the
-  cotangent is the dense scatter-add, right for any optax optimizer but
-  O(vocab) memory; `apply_gradients` is the sparse path.
+  are converted to int32 and placed on the context's token sharding.
+  Differentiable w.r.t. the table: the cotangent is the dense scatter-add,
+  right for any optax optimizer but O(vocab) memory; `apply_gradients` is
+  the sparse path. `kernel_config`: a `kernels.KernelConfig` (its gather
+  tile; None: the shape heuristic).
   """
   validation.check_table(ctx, table)
   token_ids = validation.as_ids(token_ids)
   validation.check_token_ids(ctx, token_ids)
   backend = validation.resolve_backend(ctx, backend)
-  return _lookup(ctx, backend, exchange.place_table(ctx, table),
+  config = kernel_config.gather if kernel_config else None
+  return _lookup(ctx, backend, config, exchange.place_table(ctx, table),
                  exchange.place_tokens(ctx, token_ids))
 
 

@@ -60,7 +60,7 @@ def _ordered_sum(x: jax.Array, axes) -> jax.Array:
 
 def update_from_routed(ctx: EmbeddingContext, opt, backend: str, table,
                        opt_state, routed, segments, unique_tokens, pending,
-                       num_overflow):
+                       num_overflow, kernel_config=None):
   """DESIGN §4.2-§4.6 on one rank, once the gradients are routed.
 
   `routed` `[N, S]` holds this rank's columns of the gradient of every token
@@ -68,7 +68,8 @@ def update_from_routed(ctx: EmbeddingContext, opt, backend: str, table,
   """
   grad_accum, row_sq = kernels.segment_sum_rows(
       routed, segments, ctx.num_unique, round_dtype=table.dtype,
-      backend=backend)
+      backend=backend,
+      config=kernel_config.segment_sum if kernel_config else None)
   if ctx.replica_axis:
     # Every replica applies the same update: sum all replicas' rows first.
     grad_accum = _ordered_sum(grad_accum, ctx.replica_axis)
@@ -79,19 +80,21 @@ def update_from_routed(ctx: EmbeddingContext, opt, backend: str, table,
   apply = jnp.isfinite(norm) & pending
   table, opt_state = opt.update_rows(
       table, opt_state, unique_tokens, grad_accum, row_sq[:ctx.num_unique],
-      apply, emb_width=ctx.emb_width, backend=backend)
+      apply, emb_width=ctx.emb_width, backend=backend,
+      config=kernel_config.update if kernel_config else None)
   stats = UpdateStats(norm, apply.astype(jnp.int32),
                       pending.astype(jnp.int32), num_overflow)
   return table, opt_state, stats
 
 
-def _apply_per_rank(ctx, opt, backend, table, opt_state, grads, segment_ids,
-                    unique_tokens, pending, num_overflow):
+def _apply_per_rank(ctx, opt, backend, kernel_config, table, opt_state, grads,
+                    segment_ids, unique_tokens, pending, num_overflow):
   segments = exchange.all_gather_ids(ctx, segment_ids.reshape(-1))
   routed = exchange.route_gradients(
       ctx, grads.reshape(ctx.tokens_per_rank, ctx.emb_width))
   return update_from_routed(ctx, opt, backend, table, opt_state, routed,
-                            segments, unique_tokens, pending, num_overflow)
+                            segments, unique_tokens, pending, num_overflow,
+                            kernel_config)
 
 
 def apply_gradients(ctx: EmbeddingContext, opt: SparseOptimizer,
@@ -99,7 +102,8 @@ def apply_gradients(ctx: EmbeddingContext, opt: SparseOptimizer,
                     emb_grads: jax.Array,
                     dedup_result: DedupResult, *,
                     pending: bool | jax.Array = True,
-                    backend: str | None = None):
+                    backend: str | None = None,
+                    kernel_config=None):
   """One fused sparse optimizer step (DESIGN §4, §12).
 
   Args:
@@ -111,6 +115,7 @@ def apply_gradients(ctx: EmbeddingContext, opt: SparseOptimizer,
     dedup_result: `dedup` of the token ids that were looked up.
     pending: apply (True) or skip (False) this update; may be traced.
     backend: "pallas", "interpret", "xla" or None for the platform default.
+    kernel_config: `kernels.KernelConfig` tile sizes (None: heuristics).
 
   Returns:
     `(table, opt_state, stats)`. Donate table and opt_state to the jitted
@@ -124,7 +129,7 @@ def apply_gradients(ctx: EmbeddingContext, opt: SparseOptimizer,
   emb_grads = exchange.place_tokens(ctx, emb_grads)
   tokens = exchange.token_spec(ctx)
   state_spec = opt.state_specs(exchange.table_spec(ctx))
-  fn = functools.partial(_apply_per_rank, ctx, opt, backend)
+  fn = functools.partial(_apply_per_rank, ctx, opt, backend, kernel_config)
   return exchange.shard(
       ctx, fn,
       in_specs=(exchange.table_spec(ctx), state_spec, tokens, tokens, P(),

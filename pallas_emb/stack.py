@@ -211,7 +211,7 @@ def rows_of(keys: jax.Array) -> jax.Array:
 
 
 def serve(call: StackCall, backend: str, table, keys_all, weights_all,
-          config=None) -> list[jax.Array]:
+          kernel_config=None) -> list[jax.Array]:
   """This rank's embeddings of every feature (the call's order).
 
   Gathers this rank's columns of every sequence id and pools them for every
@@ -225,13 +225,15 @@ def serve(call: StackCall, backend: str, table, keys_all, weights_all,
   if call.sequence:
     seq = rows[:, :call.sequence_entries].reshape(-1)
     served.append(kernels.gather_rows(
-        table, seq, backend=backend, config=config).reshape(
+        table, seq, backend=backend,
+        config=kernel_config.gather if kernel_config else None).reshape(
             w, call.sequence_entries, -1))
   if call.pooled:
     pooled = kernels.pool_rows(
         table, rows[:, call.sequence_entries:].reshape(-1),
         weights_all.reshape(-1), jnp.asarray(call.bag_starts()),
-        max_len=call.max_bag_len, backend=backend)
+        max_len=call.max_bag_len, backend=backend,
+        config=kernel_config.pool if kernel_config else None)
     served.append(pooled.reshape(w, call.pooled_bags, -1))
   served = jnp.concatenate(served, axis=1) if len(served) > 1 else served[0]
   mine = exchange.exchange_rows(ctx, served.reshape(-1, served.shape[-1]))
@@ -297,13 +299,14 @@ def route(call: StackCall, keys_all, weights_all) -> StackRouting:
 
 
 def update(call: StackCall, backend: str, table, opt_state,
-           routing: StackRouting, grads, pending):
+           routing: StackRouting, grads, pending, kernel_config=None):
   """The stack's fused sparse update from its features' gradients."""
   weights_all = routing.weights.reshape(call.ctx.group_size, -1)
   routed = routed_entry_grads(call, grads, weights_all)
   return optim.update_from_routed(
       call.ctx, call.optimizer, backend, table, opt_state, routed,
-      routing.segments, routing.unique_tokens, pending, routing.num_overflow)
+      routing.segments, routing.unique_tokens, pending, routing.num_overflow,
+      kernel_config)
 
 
 def dense_grad(call: StackCall, table, keys_all, weights_all, cotangents):

@@ -284,6 +284,60 @@ class StackingTest(absltest.TestCase):
     self.assertEqual([int(s.valid) for s in stats.values()], [0, 0, 0])
 
 
+class KernelConfigTest(absltest.TestCase):
+  """A `pe.KernelConfig` given to the collection reaches every kernel."""
+
+  def test_configs_reach_the_kernels(self):
+    from pallas_emb.kernels import gather, pool, segment_sum, sparse_update  # pylint: disable=g-import-not-at-top
+    from pallas_emb.testing import ptx  # pylint: disable=g-import-not-at-top
+    config = pe.KernelConfig(
+        gather=gather.GatherConfig(num_warps=8),
+        pool=pool.PoolConfig(num_warps=2),
+        segment_sum=segment_sum.SegmentSumConfig(num_warps=8),
+        update=sparse_update.SparseUpdateConfig(num_warps=2))
+    coll = pe.EmbeddingCollection(
+        [pe.TableSpec("t", 100, 16, optimizer=pe.RowwiseAdagrad(0.1))],
+        [pe.FeatureSpec("f", "t"), pe.FeatureSpec("b", "t", combiner="sum")],
+        test_util.mesh({"x": 1}), "x", backend="pallas",
+        kernel_config=config)
+    state = jax.eval_shape(coll.init, jax.random.key(0))
+    batch = {"f": jax.ShapeDtypeStruct((64,), jnp.int32),
+             "b": jax.ShapeDtypeStruct((64, 3), jnp.int32)}
+    grads = {"f": jax.ShapeDtypeStruct((64, 16), jnp.float32),
+             "b": jax.ShapeDtypeStruct((64, 16), jnp.float32)}
+    warps = {k.name: k.num_warps for k in ptx.capture(
+        lambda s, b, g: coll.apply_gradients(s, b, g)[0], state, batch,
+        grads) + ptx.capture(coll.lookup, state, batch)}
+    self.assertEqual(warps, {"pallas_emb_gather": 8, "pallas_emb_pool": 2,
+                             "pallas_emb_segment_sum": 8,
+                             "pallas_emb_segment_sum_pieces": warps[
+                                 "pallas_emb_segment_sum_pieces"],
+                             "pallas_emb_adagrad": 2})
+    # The single-table layer takes the same config.
+    ctx = pe.make_context(coll.mesh, "x", tokens_per_batch=64, emb_width=16,
+                          num_unique=65)
+    table = jax.ShapeDtypeStruct((100, 16), jnp.float32)
+    ids = jax.ShapeDtypeStruct((64,), jnp.int32)
+    opt = pe.RowwiseAdagrad(0.1)
+
+    def single(t, s, i, g):
+      emb = pe.lookup(ctx, t, i, backend="pallas", kernel_config=config)
+      return emb, pe.apply_gradients(
+          ctx, opt, t, s, g, pe.dedup(ctx, i, vocab_rows=100),
+          backend="pallas", kernel_config=config)[0]
+
+    warps = {k.name: k.num_warps for k in ptx.capture(
+        single, table, jax.eval_shape(lambda t: opt.init(ctx, t), table), ids,
+        grads["f"])}
+    self.assertEqual((warps["pallas_emb_gather"], warps["pallas_emb_adagrad"],
+                      warps["pallas_emb_segment_sum"]), (8, 2, 8))
+    with self.assertRaisesRegex(pe.InputError, "expected a "
+                                "pallas_emb.KernelConfig"):
+      pe.EmbeddingCollection(list(coll.tables.values()),
+                             list(coll.features.values()), coll.mesh, "x",
+                             kernel_config={"gather": None})
+
+
 class ValidationTest(parameterized.TestCase):
 
   def setUp(self):

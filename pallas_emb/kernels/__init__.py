@@ -21,10 +21,12 @@ from pallas_emb.kernels import reference
 
 if TYPE_CHECKING:
   from pallas_emb.kernels.gather import GatherConfig
+  from pallas_emb.kernels.pool import PoolConfig
   from pallas_emb.kernels.segment_sum import SegmentSumConfig
   from pallas_emb.kernels.sparse_update import SparseUpdateConfig
 
-BACKENDS = ("pallas", "interpret", "xla")
+# The one definition lives with the other argument checks.
+from pallas_emb.validation import BACKENDS  # pylint: disable=g-bad-import-order
 
 # jax 0.11.2 warns at every Triton lowering; exactly this message is
 # silenced, around our own pallas_calls only (`quiet_triton_deprecation`).
@@ -34,16 +36,21 @@ quiet_triton_deprecation = common.quiet_triton_deprecation
 
 @dataclasses.dataclass(frozen=True)
 class KernelConfig:
-  """Tile configs of the three kernels; None = the shape heuristic.
+  """Tile configs of the kernels; None = the shape heuristic.
 
-  gather: `gather.GatherConfig` (lookup); segment_sum:
+  gather: `gather.GatherConfig` (lookup of sequence ids); pool:
+  `pool.PoolConfig` (lookup of pooled bags); segment_sum:
   `segment_sum.SegmentSumConfig`; update:
   `sparse_update.SparseUpdateConfig` (every optimizer's update kernel).
-  Frozen and hashable, so it can be a static argument of a jit.
+  Frozen and hashable, so it can be a static argument of a jit. Reach it
+  through `lookup(..., kernel_config=)`, `apply_gradients(...,
+  kernel_config=)` or `EmbeddingCollection(..., kernel_config=)` (which the
+  Trainer and the layers use).
   """
   gather: GatherConfig | None = None
   segment_sum: SegmentSumConfig | None = None
   update: SparseUpdateConfig | None = None
+  pool: PoolConfig | None = None
 
 
 def _pallas(backend: str) -> bool:
