@@ -12,7 +12,8 @@
 #                  checked against the twin at benchmark size
 #   summary.json   per stage: return code, seconds, timed out or skipped
 #
-# Order: the kernel tests (tests/{gather,segment_sum,adagrad,ptx}_test.py:
+# Order: the kernel tests (tests/{gather,pool,segment_sum,adagrad,
+# optimizer_kernels,ptx}_test.py:
 # xla, interpret and the Triton kernels on this GPU; ptx_test skips without
 # the `triton` package), then the benchmarks, then the rest of the suite on
 # the pallas backend with whatever time is left.
@@ -129,8 +130,9 @@ if [[ "$DRY_RUN" == 1 ]]; then
 else
   BACKEND=pallas
   BENCH_ARGS=()
-  : "${PYTEST_KERNELS:=tests/gather_test.py tests/segment_sum_test.py
-    tests/adagrad_test.py tests/ptx_test.py}"
+  : "${PYTEST_KERNELS:=tests/gather_test.py tests/pool_test.py
+    tests/segment_sum_test.py tests/adagrad_test.py
+    tests/optimizer_kernels_test.py tests/ptx_test.py}"
   if [[ -z "${PYTEST_REST:-}" ]]; then
     PYTEST_REST=""
     for f in tests/*_test.py; do
