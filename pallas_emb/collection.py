@@ -838,11 +838,14 @@ def _lookup_per_rank(backend, kernel_config, coll_order, calls, tables,
   for (call, ids, weights), table in zip(
       _per_stack(coll_order, calls, all_ids, all_weights), tables):
     keys_all, weights_all = stack_lib.gather_entries(call, ids, weights)
-    embs = stack_lib.serve(call, backend, table, keys_all, weights_all,
-                           kernel_config)
-    outs.update(zip((f.name for f in call.features), embs))
     if route:
-      routings.append(stack_lib.route(call, keys_all, weights_all))
+      embs, routing = stack_lib.serve_and_route(
+          call, backend, table, keys_all, weights_all, kernel_config)
+      routings.append(routing)
+    else:
+      embs = stack_lib.serve(call, backend, table, keys_all, weights_all,
+                             kernel_config)
+    outs.update(zip((f.name for f in call.features), embs))
   embeddings = tuple(outs[name] for name in coll_order[0])
   return (embeddings, tuple(routings)) if route else embeddings
 

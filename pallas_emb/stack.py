@@ -218,6 +218,34 @@ def serve(call: StackCall, backend: str, table, keys_all, weights_all,
   bag of the communicator, then ONE all-to-all brings each rank the full
   rows of its own examples.
   """
+  return exchange_served(call, gather_served(call, backend, table, keys_all,
+                                             weights_all, kernel_config))
+
+
+def serve_and_route(call: StackCall, backend: str, table, keys_all,
+                    weights_all, kernel_config=None
+                    ) -> tuple[list[jax.Array], StackRouting]:
+  """`serve` and `route` of one batch, the routing ordered after the gather.
+
+  The update that reads this routing writes the table in place. When the
+  gradients do not depend on the embeddings (a loss linear in them),
+  nothing else orders the lookup's reads of the table before that write,
+  and XLA copies the whole table (twice) to keep both. An
+  optimization_barrier does not order anything once XLA expands it; a data
+  dependence does: the unique rows get `int(first served value * 0)`,
+  always 0 (a float times 0 is never folded, and XLA converts NaN to 0).
+  """
+  served = gather_served(call, backend, table, keys_all, weights_all,
+                         kernel_config)
+  routing = route(call, keys_all, weights_all)
+  zero = (served.reshape(-1)[0] * 0).astype(jnp.int32)
+  return (exchange_served(call, served),
+          routing._replace(unique_tokens=routing.unique_tokens + zero))
+
+
+def gather_served(call: StackCall, backend: str, table, keys_all,
+                  weights_all, kernel_config=None) -> jax.Array:
+  """`[W, rows per rank, S]`: this rank's columns of every row it serves."""
   ctx = call.ctx
   w = ctx.group_size
   rows = rows_of(keys_all)
@@ -235,8 +263,13 @@ def serve(call: StackCall, backend: str, table, keys_all, weights_all,
         max_len=call.max_bag_len, backend=backend,
         config=kernel_config.pool if kernel_config else None)
     served.append(pooled.reshape(w, call.pooled_bags, -1))
-  served = jnp.concatenate(served, axis=1) if len(served) > 1 else served[0]
-  mine = exchange.exchange_rows(ctx, served.reshape(-1, served.shape[-1]))
+  return jnp.concatenate(served, axis=1) if len(served) > 1 else served[0]
+
+
+def exchange_served(call: StackCall, served: jax.Array) -> list[jax.Array]:
+  """ONE all-to-all of the served rows -> this rank's rows per feature."""
+  mine = exchange.exchange_rows(call.ctx,
+                                served.reshape(-1, served.shape[-1]))
   return split_rows(call, mine)
 
 

@@ -121,19 +121,28 @@ def pool_rows(table, rows, weights, bag_starts, *, max_len: int):
     return jnp.zeros((num_bags, width), table.dtype)
   start, end = bag_starts[:-1], bag_starts[1:]
   weights = weights.astype(jnp.float32)
+  rows = common.wrap_and_clamp(rows, vocab_rows)
+  source = table
+  if table.dtype != jnp.float32:
+    # XLA:CPU gathers a bf16 table through an f32 convert of all of it; in
+    # the loop that convert is shared and hoisted (a table-sized pass per
+    # step), so the entries' rows are gathered once, outside (exact).
+    source = jnp.take(table, rows, axis=0).astype(jnp.float32)
+    rows = jnp.arange(rows.shape[0], dtype=rows.dtype)
 
   def add_entry(k, acc):
     entry = start + k
     ok = entry < end
     entry = jnp.where(ok, entry, 0)
-    row = common.wrap_and_clamp(jnp.take(rows, entry, mode="clip"),
-                                vocab_rows)
-    values = jnp.take(table, row, axis=0, mode="clip").astype(jnp.float32)
+    row = jnp.take(rows, entry, mode="clip")
+    values = jnp.take(source, row, axis=0, mode="clip").astype(jnp.float32)
     product = common.unfused_product(
         jnp.take(weights, entry, mode="clip")[:, None], values)
     # A masked lane of the kernel adds 0 * 0 (its loads give 0).
     return acc + jnp.where(ok[:, None], product, 0.0)
 
+  # Partly unrolled: fewer loop trips, each fusing several gathers.
   acc = lax.fori_loop(0, max_len, add_entry,
-                      jnp.zeros((num_bags, width), jnp.float32))
+                      jnp.zeros((num_bags, width), jnp.float32),
+                      unroll=min(max_len, 8))
   return acc.astype(table.dtype)
