@@ -15,7 +15,8 @@ process:
   per_table   26 one-table collections, i.e. one exchange per table (how
               the Trainer ran a model before the collection).
 
-Prints the median step times and their ratio; `--json_out` writes them.
+Prints the median step times, their ratio and the collectives of each
+compiled step (count per kind); `--json_out` writes them.
 """
 
 from __future__ import annotations
@@ -77,6 +78,7 @@ def main(argv):
   import numpy as np  # pylint: disable=g-import-not-at-top
   import pallas_emb as pe  # pylint: disable=g-import-not-at-top
   from pallas_emb import datasets  # pylint: disable=g-import-not-at-top
+  from pallas_emb.testing import hlo  # pylint: disable=g-import-not-at-top
 
   mesh = jax.make_mesh((_DEVICES.value,), ("x",))
   tables, features = _specs(pe, _BIG_ROWS.value, _WIDTH.value)
@@ -93,10 +95,14 @@ def main(argv):
   batches = [jax.device_put({k: v[i] for k, v in ids.items()},
                             together.token_sharding()) for i in range(rounds)]
 
-  runs = {}
+  runs, collectives = {}, {}
   for name, colls in (("collection", [together]), ("per_table", apart)):
     states = [c.init(jax.random.key(0)) for c in colls]
     fn = _step_fn(jax, jnp, colls)
+    compiled = fn.lower(states, batches[0]).compile().as_text()
+    collectives[name] = {
+        kind: entry["count"] for kind, entry in hlo.collective_bytes(
+            compiled, _DEVICES.value).items()}
     runs[name] = [fn, states, []]
   for round_ in range(_WARMUP.value + _REPEATS.value):
     for name, run in runs.items():
@@ -116,10 +122,12 @@ def main(argv):
       "median_ms": {k: 1e3 * v for k, v in medians.items()},
       "all_ms": {k: [1e3 * t for t in run[2]] for k, run in runs.items()},
       "speedup": medians["per_table"] / medians["collection"],
+      "collectives_per_step": collectives,
       "loadavg": os.getloadavg()}
   print(f"collection (1 stack): {1e3 * medians['collection']:.1f} ms   "
         f"per_table (26 exchanges): {1e3 * medians['per_table']:.1f} ms   "
-        f"speed-up {result['speedup']:.2f}x")
+        f"speed-up {result['speedup']:.2f}x\ncollectives per step: "
+        f"{collectives}")
   if _JSON_OUT.value:
     with open(_JSON_OUT.value, "w") as f:
       json.dump(result, f, indent=1)
