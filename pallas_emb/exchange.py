@@ -9,6 +9,8 @@ rank the W*S columns of its own T tokens. Gradients travel the reverse way.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -67,7 +69,9 @@ def place_state(tree, specs, mesh, what: str):
   """
   def one(path, x, spec):
     sharding = NamedSharding(mesh, spec)
-    if not validation.is_committed(x):
+    # An empty array (a stack without pooled weights) holds nothing to
+    # move, whatever sharding jit gave it.
+    if not validation.is_committed(x) or x.size == 0:
       return place(x, sharding)
     if len(jax.devices()) > 1 and not x.sharding.is_equivalent_to(
         sharding, x.ndim):
@@ -103,12 +107,49 @@ def place_tokens(ctx: EmbeddingContext, x: jax.Array) -> jax.Array:
 
 
 def shard(ctx: EmbeddingContext, fn, in_specs, out_specs):
-  """`shard_map` over the context's mesh.
+  """`shard_map` over the context's mesh, jitted.
 
-  check_vma is off: `pallas_call` does not carry varying-axis types.
+  Jitted so that a call outside `jit` runs compiled: an eager `shard_map`
+  dispatches every op to every device one by one (one collection update on
+  8 CPU devices: 15 s instead of 2 ms). Inside a user's `jit` it is inlined.
+  The jitted function is cached on `fn`'s value (a `functools.partial` of
+  static, hashable arguments) and the specs, so repeated eager calls
+  compile once. check_vma is off: `pallas_call` does not carry varying-axis
+  types.
   """
-  return jax.shard_map(fn, mesh=ctx.mesh, in_specs=in_specs,
-                       out_specs=out_specs, check_vma=False)
+  try:
+    return _jitted_shard(ctx.mesh, _Static(fn), _Static(in_specs),
+                         _Static(out_specs))
+  except TypeError:  # an unhashable argument: jitted, not cached
+    return _jitted_shard.__wrapped__(ctx.mesh, fn, in_specs, out_specs)
+
+
+class _Static:
+  """A function (partial) or a spec tree, hashed and compared by value."""
+
+  def __init__(self, value):
+    self.value = value
+    if isinstance(value, functools.partial):
+      self.key = (value.func, value.args, tuple(sorted(value.keywords.items())))
+    else:
+      leaves, treedef = jax.tree.flatten(
+          value, is_leaf=lambda x: x is None or isinstance(x, P))
+      self.key = (tuple(leaves), treedef)
+    hash(self.key)  # TypeError now, not inside the cache
+
+  def __hash__(self):
+    return hash(self.key)
+
+  def __eq__(self, other):
+    return isinstance(other, _Static) and self.key == other.key
+
+
+@functools.lru_cache(maxsize=256)
+def _jitted_shard(mesh, fn, in_specs, out_specs):
+  unwrap = lambda x: x.value if isinstance(x, _Static) else x
+  return jax.jit(jax.shard_map(unwrap(fn), mesh=mesh,
+                               in_specs=unwrap(in_specs),
+                               out_specs=unwrap(out_specs), check_vma=False))
 
 
 # --- per-rank collectives ----------------------------------------------------

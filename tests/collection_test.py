@@ -284,6 +284,36 @@ class StackingTest(absltest.TestCase):
     self.assertEqual([int(s.valid) for s in stats.values()], [0, 0, 0])
 
 
+class EagerCallTest(absltest.TestCase):
+  """Calls outside jit run compiled, and compile once per batch layout."""
+
+  def test_eager_calls_reuse_their_compiled_shard_map(self):
+    from pallas_emb import exchange  # pylint: disable=g-import-not-at-top
+    opt = pe.RowwiseAdagrad(0.1)
+    coll = pe.EmbeddingCollection(
+        [pe.TableSpec("a", 100, 16, optimizer=opt),
+         pe.TableSpec("b", 50, 8, optimizer=opt)],
+        [pe.FeatureSpec("f", "a"), pe.FeatureSpec("g", "b", combiner="sum")],
+        test_util.mesh({"x": 8}), "x")
+    state = coll.init(jax.random.key(0))
+    batch = {"f": np.arange(8, dtype=np.int32),
+             "g": np.ones((8, 3), np.int32)}
+    grads = {"f": np.ones((8, 16), np.float32),
+             "g": np.ones((8, 8), np.float32)}
+
+    def step(state):
+      emb = coll.lookup(state, batch)
+      state, _ = coll.apply_gradients(state, batch, grads)
+      return state, emb
+
+    state, first = step(state)
+    misses = exchange._jitted_shard.cache_info().misses  # pylint: disable=protected-access
+    state, second = step(state)
+    self.assertEqual(exchange._jitted_shard.cache_info().misses, misses)  # pylint: disable=protected-access
+    # The second lookup reads the updated table.
+    self.assertFalse(np.array_equal(first["f"], second["f"]))
+
+
 class KernelConfigTest(absltest.TestCase):
   """A `pe.KernelConfig` given to the collection reaches every kernel."""
 
