@@ -7,10 +7,7 @@ the GPU check read. Its HLO helpers (`pallas_emb.testing.hlo`) are tested
 in hlo_test.py, its ids (`pallas_emb.datasets.zipf_ids`) in datasets_test.py.
 """
 
-import json
 import os
-import subprocess
-import sys
 import tempfile
 
 import test_util
@@ -19,7 +16,6 @@ from absl.testing import absltest
 from absl.testing import parameterized
 import jax
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ON_GPU = jax.devices()[0].platform == "gpu"
 DEVICES = 1 if ON_GPU else 2
 TINY = ["--vocab_rows=1024", "--emb_width=16", "--tokens_per_batch=64",
@@ -40,21 +36,9 @@ def library_backends() -> list[str]:
 
 def run_bench(*args, timeout=600):
   with tempfile.TemporaryDirectory() as tmp:
-    out = os.path.join(tmp, "out.json")
-    env = dict(os.environ)
-    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
-    env.pop("XLA_FLAGS", None)  # the bench sets the device count itself
-    cmd = [sys.executable, "-m", "bench.bench", *args,
-           f"--json_out={out}"]
-    proc = subprocess.run(cmd, cwd=tmp, env=env, capture_output=True,
-                          text=True, timeout=timeout, check=False)
-    if proc.returncode:
-      raise AssertionError(f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}"
-                           f"\n{proc.stderr[-5000:]}")
-    with open(out) as f:
-      doc = json.load(f)
-    files = os.listdir(tmp)
-    return doc, proc.stdout, files, tmp
+    doc, stdout = test_util.run_program("bench.bench", args, tmp,
+                                        timeout=timeout)
+    return doc, stdout, os.listdir(tmp), tmp
 
 
 class BenchCliTest(parameterized.TestCase):

@@ -8,42 +8,27 @@ set to a working torch + fbgemm-gpu-cpu venv, one more test compares both
 sides' final tables.
 """
 
-import json
 import os
 import stat
-import subprocess
-import sys
 import tempfile
 
-import test_util  # pylint: disable=unused-import
+import test_util
 
 from absl.testing import absltest
 
 from bench import fbgemm_compare
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ["--workloads=a:512:32:1,b:512:32:3", "--steps=2", "--warmup=1",
         "--dtypes=float32", "--pin_cpus="]
 
 
 def run_compare(*args, timeout=600):
   with tempfile.TemporaryDirectory() as tmp:
-    out = os.path.join(tmp, "out.json")
-    env = dict(os.environ)
-    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
-    env.pop("XLA_FLAGS", None)
-    env.pop("PALLAS_EMB_FBGEMM_PYTHON", None)
-    cmd = [sys.executable, "-m", "bench.fbgemm_compare", *TINY, *args,
-           f"--json_out={out}", f"--tmp_dir={tmp}"]
-    proc = subprocess.run(cmd, cwd=tmp, env=env, capture_output=True,
-                          text=True, timeout=timeout, check=False)
-    if proc.returncode:
-      raise AssertionError(f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}"
-                           f"\n{proc.stderr[-5000:]}")
-    with open(out) as f:
-      doc = json.load(f)
+    doc, stdout = test_util.run_program(
+        "bench.fbgemm_compare", [*TINY, *args, f"--tmp_dir={tmp}"], tmp,
+        drop_env=("PALLAS_EMB_FBGEMM_PYTHON",), timeout=timeout)
     leftovers = [n for n in os.listdir(tmp) if n != "out.json"]
-    return doc, proc.stdout, leftovers
+    return doc, stdout, leftovers
 
 
 def fake_python(directory: str) -> str:

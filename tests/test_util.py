@@ -3,7 +3,9 @@
 Import this before jax in every test binary.
 """
 
+import json
 import os
+import subprocess
 import sys
 
 _FLAG = "--xla_force_host_platform_device_count=8"
@@ -63,3 +65,26 @@ def assert_bits_equal(test, actual, expected, msg=""):
   view = {2: np.uint16, 4: np.uint32, 1: np.uint8}[actual.dtype.itemsize]
   np.testing.assert_array_equal(actual.view(view), expected.view(view),
                                 err_msg=msg)
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run_program(module: str, args, directory: str, *, drop_env=(),
+                timeout: float = 600):
+  """`python -m MODULE ARGS --json_out=DIR/out.json` from `directory`, with
+  the repository on the path and without XLA_FLAGS (the programs set their
+  own). Returns `(the JSON it wrote, its stdout)`; fails with its output."""
+  out = os.path.join(directory, "out.json")
+  env = dict(os.environ)
+  env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+  for name in ("XLA_FLAGS",) + tuple(drop_env):
+    env.pop(name, None)
+  cmd = [sys.executable, "-m", module, *args, f"--json_out={out}"]
+  proc = subprocess.run(cmd, cwd=directory, env=env, capture_output=True,
+                        text=True, timeout=timeout, check=False)
+  if proc.returncode:
+    raise AssertionError(f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}"
+                         f"\n{proc.stderr[-5000:]}")
+  with open(out) as f:
+    return json.load(f), proc.stdout
