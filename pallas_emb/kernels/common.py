@@ -114,6 +114,35 @@ def check_tile(owner: str, rows, cols) -> None:
         "rows or columns per block.")
 
 
+def check_config(config, pow2_fields: tuple[str, ...],
+                 tiles: tuple[tuple[str, str], ...]) -> None:
+  """A kernel config's checks: power-of-two fields, tiles that fit in
+  registers (`(rows field, cols field)` pairs), num_stages >= 1."""
+  owner = type(config).__name__
+  for name in pow2_fields:
+    check_pow2(owner, name, getattr(config, name))
+  for rows, cols in tiles:
+    check_tile(owner, getattr(config, rows), getattr(config, cols))
+  if config.num_stages < 1:
+    raise ValueError(f"pallas_emb {owner}.num_stages must be >= 1, got "
+                     f"{config.num_stages}.")
+
+
+@dataclasses.dataclass(frozen=True)
+class RowTileConfig:
+  """A tile of `block_rows` rows x `block_cols` columns (powers of two,
+  `block_rows * block_cols <= MAX_TILE_ELEMENTS`); a field left None takes
+  the kernel's shape heuristic. num_warps: Triton warps per program."""
+  block_rows: int | None = None
+  block_cols: int | None = None
+  num_warps: int | None = None
+  num_stages: int = 1
+
+  def __post_init__(self):
+    check_config(self, ("block_rows", "block_cols", "num_warps"),
+                 (("block_rows", "block_cols"),))
+
+
 def block_cols_for(width: int, itemsize: int, max_row_bytes: int) -> int:
   """Columns per block: the whole (power-of-two padded) row, capped in bytes."""
   return max(1, min(next_pow2(width), pow2_floor(max_row_bytes // itemsize)))

@@ -36,24 +36,8 @@ _MIN_PROGRAMS = 512
 
 
 @dataclasses.dataclass(frozen=True)
-class GatherConfig:
-  """Tile of the gather kernel; a field left None takes the shape heuristic.
-
-  block_rows, block_cols: powers of two, `block_rows * block_cols <=
-  common.MAX_TILE_ELEMENTS`. num_warps: Triton warps per program.
-  """
-  block_rows: int | None = None
-  block_cols: int | None = None
-  num_warps: int | None = None
-  num_stages: int = 1
-
-  def __post_init__(self):
-    for name in ("block_rows", "block_cols", "num_warps"):
-      common.check_pow2("GatherConfig", name, getattr(self, name))
-    common.check_tile("GatherConfig", self.block_rows, self.block_cols)
-    if self.num_stages < 1:
-      raise ValueError(f"pallas_emb GatherConfig.num_stages must be >= 1, "
-                       f"got {self.num_stages}.")
+class GatherConfig(common.RowTileConfig):
+  """Tile of the gather kernel (`common.RowTileConfig`)."""
 
 
 def resolve_config(config: GatherConfig | None, num_ids: int, width: int,

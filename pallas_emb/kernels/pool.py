@@ -48,12 +48,8 @@ class PoolConfig:
   num_stages: int = 1
 
   def __post_init__(self):
-    for name in ("block_bags", "block_cols", "num_warps"):
-      common.check_pow2("PoolConfig", name, getattr(self, name))
-    common.check_tile("PoolConfig", self.block_bags, self.block_cols)
-    if self.num_stages < 1:
-      raise ValueError(f"pallas_emb PoolConfig.num_stages must be >= 1, got "
-                       f"{self.num_stages}.")
+    common.check_config(self, ("block_bags", "block_cols", "num_warps"),
+                        (("block_bags", "block_cols"),))
 
 
 def resolve_config(config: PoolConfig | None, num_bags: int,

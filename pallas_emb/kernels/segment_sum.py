@@ -80,16 +80,10 @@ class SegmentSumConfig:
   num_stages: int = 1
 
   def __post_init__(self):
-    for name in ("piece_rows", "block_segments", "block_cols",
-                 "piece_block_rows", "num_warps", "piece_num_warps"):
-      common.check_pow2("SegmentSumConfig", name, getattr(self, name))
-    common.check_tile("SegmentSumConfig", self.block_segments,
-                      self.block_cols)
-    common.check_tile("SegmentSumConfig", self.piece_block_rows,
-                      self.block_cols)
-    if self.num_stages < 1:
-      raise ValueError(f"pallas_emb SegmentSumConfig.num_stages must be >= "
-                       f"1, got {self.num_stages}.")
+    common.check_config(
+        self, ("piece_rows", "block_segments", "block_cols",
+               "piece_block_rows", "num_warps", "piece_num_warps"),
+        (("block_segments", "block_cols"), ("piece_block_rows", "block_cols")))
 
 
 def resolve_config(config: SegmentSumConfig | None, num_rows: int,

@@ -96,26 +96,10 @@ class UpdateRule(Protocol):
 
 
 @dataclasses.dataclass(frozen=True)
-class SparseUpdateConfig:
-  """Tile of the update kernel; a field left None takes the shape heuristic.
-
-  block_rows, block_cols: powers of two, `block_rows * block_cols <=
-  common.MAX_TILE_ELEMENTS`; a wider shard loops over column blocks inside
-  the program (the row-wise state is read and written once).
-  """
-  block_rows: int | None = None
-  block_cols: int | None = None
-  num_warps: int | None = None
-  num_stages: int = 1
-
-  def __post_init__(self):
-    name = type(self).__name__
-    for field in ("block_rows", "block_cols", "num_warps"):
-      common.check_pow2(name, field, getattr(self, field))
-    common.check_tile(name, self.block_rows, self.block_cols)
-    if self.num_stages < 1:
-      raise ValueError(f"pallas_emb {name}.num_stages must be >= 1, "
-                       f"got {self.num_stages}.")
+class SparseUpdateConfig(common.RowTileConfig):
+  """Tile of the update kernel (`common.RowTileConfig`); a wider shard
+  loops over column blocks inside the program (the row-wise state is read
+  and written once)."""
 
 
 def resolve_config(config: SparseUpdateConfig | None, num_unique: int,
