@@ -314,6 +314,31 @@ class EagerCallTest(absltest.TestCase):
     self.assertFalse(np.array_equal(first["f"], second["f"]))
 
 
+class LookupAndRouteTest(absltest.TestCase):
+
+  def test_routing_does_not_depend_on_the_served_values(self):
+    """The routing is tied to the gathered rows (so XLA orders the lookup
+    before the in-place update); non-finite rows must not change it."""
+    coll = pe.EmbeddingCollection(
+        [pe.TableSpec("t", 64, 8, optimizer=pe.RowwiseAdagrad(0.1))],
+        [pe.FeatureSpec("f", "t"), pe.FeatureSpec("b", "t", combiner="sum")],
+        test_util.mesh({"x": 2}), "x")
+    ids = np.array([5, 7, 5, 9], np.int32)
+    batch = {"f": ids, "b": np.array([[5, 1], [2, 3], [4, 4], [6, 0]],
+                                     np.int32)}
+    want = coll.route(batch)
+    for bad in (np.nan, np.inf, -np.inf):
+      table = np.zeros((64, 8), np.float32)
+      table[ids[0]] = bad
+      state = coll.state_from_arrays({"t": table})
+      _, got = jax.jit(coll.lookup_and_route)(state, batch)
+      for name in want.stacks:
+        for field in ("unique_tokens", "segments"):
+          np.testing.assert_array_equal(
+              getattr(got.stacks[name], field),
+              getattr(want.stacks[name], field), err_msg=f"{bad} {field}")
+
+
 class KernelConfigTest(absltest.TestCase):
   """A `pe.KernelConfig` given to the collection reaches every kernel."""
 
