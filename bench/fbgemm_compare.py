@@ -165,7 +165,11 @@ def _git_head() -> str | None:
 
 
 def configure(threads: int, pin: list[int]) -> dict:
-  """Thread settings of this process, before JAX starts its backend."""
+  """Platform and thread settings of this process, before JAX starts.
+
+  A CPU comparison: JAX runs on the CPU even where a GPU is present.
+  """
+  os.environ["JAX_PLATFORMS"] = "cpu"
   if pin:
     os.sched_setaffinity(0, pin)
   if threads:
@@ -174,7 +178,10 @@ def configure(threads: int, pin: list[int]) -> dict:
               f"intra_op_parallelism_threads={threads}"]
     os.environ["XLA_FLAGS"] = " ".join(parts)
   return {"xla_flags": os.environ.get("XLA_FLAGS", ""),
-          "affinity": sorted(os.sched_getaffinity(0))}
+          "affinity": sorted(os.sched_getaffinity(0)),
+          # glibc malloc settings change XLA:CPU's per-step page faults.
+          "malloc_env": {k: v for k, v in os.environ.items()
+                         if k.startswith("MALLOC_")}}
 
 
 # ---------------------------------------------------------------------------

@@ -232,14 +232,19 @@ def serve_and_route(call: StackCall, backend: str, table, keys_all,
   nothing else orders the lookup's reads of the table before that write,
   and XLA copies the whole table (twice) to keep both. An
   optimization_barrier does not order anything once XLA expands it; a data
-  dependence does: the unique rows get `int(first served value * 0)`,
-  always 0 (a float times 0 is never folded; NaN, from an infinite or NaN
-  value, is replaced by 0 before the conversion).
+  dependence does: the unique rows get `int(first served value * 0)` of
+  each part (sequence rows, pooled rows: XLA slices through the
+  concatenation to the part's own producer), always 0 (a float times 0 is
+  never folded; NaN, from an infinite or NaN value, is replaced by 0
+  before the conversion).
   """
   served = gather_served(call, backend, table, keys_all, weights_all,
                          kernel_config)
   routing = route(call, keys_all, weights_all)
-  product = served.reshape(-1)[0].astype(jnp.float32) * 0
+  starts = (([0] if call.sequence else []) +
+            ([call.sequence_entries] if call.pooled else []))
+  product = sum(served[0, start, 0].astype(jnp.float32)
+                for start in starts) * 0
   zero = jnp.where(jnp.isnan(product), 0.0, product).astype(jnp.int32)
   return (exchange_served(call, served),
           routing._replace(unique_tokens=routing.unique_tokens + zero))

@@ -195,28 +195,33 @@ class HloTest(parameterized.TestCase):
 
 
   @parameterized.named_parameters(*_named(
-      ranks=(1, 8), dtype=("float32", "bfloat16"), combiner=("none", "sum")))
-  def test_collection_step_with_a_linear_loss(self, ranks, dtype, combiner):
+      ranks=(1, 8), dtype=("float32", "bfloat16"),
+      features=("sequence", "pooled", "mixed")))
+  def test_collection_step_with_a_linear_loss(self, ranks, dtype, features):
     """A loss linear in the embeddings: its gradients do not read them, so
-    only the routing orders the lookup's table reads before the update's
-    in-place write (without that, XLA copies the table twice per step)."""
+    only the routing orders the lookup's table reads (of every part of the
+    stack) before the update's in-place write (without that, XLA copies the
+    table twice per step)."""
     backend = hlo_backend()
     ctx, opt, table, batch = setup(ranks, dtype)
-    pooled = combiner == "sum"
+    specs, ids = [], {}
+    if features != "pooled":
+      specs.append(pe.FeatureSpec("s", "t"))
+      ids["s"] = batch["ids"]
+    if features != "sequence":
+      specs.append(pe.FeatureSpec("p", "t", combiner="sum"))
+      # Bags of 8: several gathers per pooled row (a shared convert of a
+      # bf16 table would be hoisted out of them).
+      ids["p"] = batch["ids"].reshape(-1, 8)
     coll = pe.EmbeddingCollection(
         [pe.TableSpec("t", VOCAB, WIDTH, optimizer=opt, dtype=dtype)],
-        [pe.FeatureSpec("f", "t", combiner="sum" if pooled else None)],
-        ctx.mesh, "x", backend=backend)
-    # Bags of 8: several gathers per pooled row (a shared convert of a bf16
-    # table would be hoisted out of them).
-    ids = batch["ids"].reshape(-1, 8) if pooled else batch["ids"]
-    cotangent = jnp.ones((ids.shape[0], WIDTH), jnp.float32)
+        specs, ctx.mesh, "x", backend=backend)
 
     @functools.partial(jax.jit, donate_argnums=0)
     def step(state, ids):
-      emb, routing = coll.lookup_and_route(state, {"f": ids})
-      loss, grads = jax.value_and_grad(lambda e: jnp.sum(
-          e["f"].astype(jnp.float32) * cotangent))(emb)
+      emb, routing = coll.lookup_and_route(state, ids)
+      loss, grads = jax.value_and_grad(lambda e: sum(
+          jnp.sum(v.astype(jnp.float32)) for v in e.values()))(emb)
       state, _ = coll.apply_gradients(state, routing, grads)
       return state, loss
 
@@ -224,7 +229,7 @@ class HloTest(parameterized.TestCase):
     text = step.lower(state, ids).compile().as_text()
     self.check(text, dtype, backend,
                f"collection step, linear loss, ranks={ranks} {dtype} "
-               f"combiner={combiner}")
+               f"features={features}")
 
 
 class OneExchangePerStackTest(parameterized.TestCase):

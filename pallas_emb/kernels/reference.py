@@ -113,7 +113,9 @@ def pool_rows(table, rows, weights, bag_starts, *, max_len: int):
   """Twin of `pool.pool_rows`: the same sums in the same order.
 
   One gather of `[M, S]` rows per entry position `k < max_len`, added in
-  order, so it equals the kernel bit for bit.
+  order, so it equals the kernel bit for bit. A non-f32 table's entry rows
+  are gathered (and made f32, exactly) once, before the loop: an `[E, S]`
+  f32 buffer.
   """
   vocab_rows, width = table.shape
   num_bags = bag_starts.shape[0] - 1
@@ -122,20 +124,22 @@ def pool_rows(table, rows, weights, bag_starts, *, max_len: int):
   start, end = bag_starts[:-1], bag_starts[1:]
   weights = weights.astype(jnp.float32)
   rows = common.wrap_and_clamp(rows, vocab_rows)
-  source = table
-  if table.dtype != jnp.float32:
-    # XLA:CPU gathers a bf16 table through an f32 convert of all of it; in
-    # the loop that convert is shared and hoisted (a table-sized pass per
-    # step), so the entries' rows are gathered once, outside (exact).
-    source = jnp.take(table, rows, axis=0).astype(jnp.float32)
-    rows = jnp.arange(rows.shape[0], dtype=rows.dtype)
+  # XLA:CPU gathers a bf16 table through an f32 convert of all of it; in
+  # the loop that convert is shared and hoisted (a table-sized pass per
+  # step), so a non-f32 table's entry rows are gathered once, outside.
+  entry_rows = (None if table.dtype == jnp.float32 else
+                jnp.take(table, rows, axis=0).astype(jnp.float32))
 
   def add_entry(k, acc):
     entry = start + k
     ok = entry < end
     entry = jnp.where(ok, entry, 0)
-    row = jnp.take(rows, entry, mode="clip")
-    values = jnp.take(source, row, axis=0, mode="clip").astype(jnp.float32)
+    if entry_rows is None:
+      values = jnp.take(table, jnp.take(rows, entry, mode="clip"), axis=0,
+                        mode="clip")
+    else:
+      values = jnp.take(entry_rows, entry, axis=0, mode="clip")
+    values = values.astype(jnp.float32)
     product = common.unfused_product(
         jnp.take(weights, entry, mode="clip")[:, None], values)
     # A masked lane of the kernel adds 0 * 0 (its loads give 0).
