@@ -233,25 +233,23 @@ class TrainProgramTest(TempDirTest):
       self.skipTest(f"MovieLens-100k is not on this machine and could not "
                     f"be downloaded ({e})")
 
-  def test_movielens_rmse(self):
+  def train_movielens(self, config_file, rmse_bar):
+    """Trains `config_file` on ML-100k; its test RMSE must be <= rmse_bar."""
     path = self.find_movielens_or_skip()
-    config = train.load_config(MOVIELENS)
+    config = train.load_config(config_file)
     metrics = train.train(config, log=quiet)
     self.assertLessEqual(
-        metrics["test_rmse"], RMSE_BAR,
-        f"configs/movielens.py on {path}, split_seed={config.split_seed}")
+        metrics["test_rmse"], rmse_bar,
+        f"{config_file} on {path}, split_seed={config.split_seed}")
     self.assertEqual(metrics["test_examples"], 20_000)
+    return metrics
+
+  def test_movielens_rmse(self):
+    self.train_movielens(MOVIELENS, RMSE_BAR)
 
   def test_movielens_features_rmse(self):
     # One split of the feature model (~45 s on 2 cores): the issue's target.
-    path = self.find_movielens_or_skip()
-    config = train.load_config(FEATURES)
-    metrics = train.train(config, log=quiet)
-    self.assertLessEqual(
-        metrics["test_rmse"], FEATURES_RMSE_BAR,
-        f"configs/movielens_features.py on {path}, "
-        f"split_seed={config.split_seed}")
-    self.assertEqual(metrics["test_examples"], 20_000)
+    metrics = self.train_movielens(FEATURES, FEATURES_RMSE_BAR)
     self.assertEqual(metrics["model"], "FeatureMF")
     self.assertEqual(metrics["skipped_updates"], 0)
 
