@@ -19,10 +19,12 @@ directory (`table.npy`, the initial table both sides start from, and
 
 pallas_emb side (this process): an `EmbeddingCollection` of that one table
 on a 1-device mesh, backend "xla", `RowwiseAdagrad(lr, eps=eps)`; per
-`--dtypes` (float32, bfloat16) and, for bags of 1, two features:
-`sequence` (`FeatureSpec("f", "t")` on ids `[B]`) and `pooled`
-(`combiner="sum"` on ids `[B, 1]`); bags of L > 1 are `pooled` only. One
-jitted step, the state donated:
+`--dtypes` (float32, bfloat16) and `--pallas_cases`: `sequence`
+(`FeatureSpec("f", "t")` on ids `[B]`, bags of 1 only), `pooled`
+(`combiner="sum"` on ids `[B, L]`) and `pooled_fit` (the same, with the
+collection's unique buffer fit to the workload's ids by
+`coll.fit_max_unique([batch], headroom=--fit_headroom)` instead of sized
+for every id distinct). One jitted step, the state donated:
 
     emb, routing = coll.lookup_and_route(state, {"f": ids})
     loss, g = jax.value_and_grad(lambda e: sum(e["f"] * cotangent))(emb)
@@ -89,8 +91,12 @@ _SEED = flags.DEFINE_integer("seed", 0, "Seed of table, ids, cotangent.")
 _DTYPES = flags.DEFINE_list("dtypes", ["float32", "bfloat16"],
                             "pallas_emb table dtypes.")
 _PALLAS_CASES = flags.DEFINE_list(
-    "pallas_cases", ["sequence", "pooled"],
-    "pallas_emb features for bags of 1 (bags > 1 are always pooled).")
+    "pallas_cases", ["sequence", "pooled", "pooled_fit"],
+    "pallas_emb features (bags > 1 run the pooled ones); `_fit`: the "
+    "collection's max_unique fit to the workload's ids "
+    "(`EmbeddingCollection.fit_max_unique`, --fit_headroom).")
+_FIT_HEADROOM = flags.DEFINE_float(
+    "fit_headroom", 1.25, "Headroom of the `_fit` cases' max_unique.")
 _FBGEMM_PYTHON = flags.DEFINE_string(
     "fbgemm_python", os.environ.get("PALLAS_EMB_FBGEMM_PYTHON", ""),
     "Python of a venv with torch and fbgemm-gpu-cpu (default: env "
@@ -252,13 +258,14 @@ def run_pallas(work: dict, arrays: dict, directory: str, dtype_name: str,
 
   dtype = jnp.dtype(dtype_name)
   width = _WIDTH.value
+  feature_kind = base_case(kind)
   mesh = jax.make_mesh((1,), ("x",))
   table_spec = pe.TableSpec(
       "t", work["rows"], width, dtype=dtype,
       optimizer=pe.RowwiseAdagrad(float(arrays["lr"]),
                                   eps=float(arrays["eps"])))
-  feature = pe.FeatureSpec("f", "t",
-                           combiner=None if kind == "sequence" else "sum")
+  feature = pe.FeatureSpec(
+      "f", "t", combiner=None if feature_kind == "sequence" else "sum")
   coll = pe.EmbeddingCollection([table_spec], [feature], mesh, "x",
                                 backend="xla")
   init = np.load(os.path.join(directory, "table.npy"), mmap_mode="r")
@@ -266,9 +273,11 @@ def run_pallas(work: dict, arrays: dict, directory: str, dtype_name: str,
   state = coll.state_from_arrays({"t": table})
   del table
   ids = arrays["ids"]
-  if kind == "pooled" and ids.ndim == 1:
+  if feature_kind == "pooled" and ids.ndim == 1:
     ids = ids[:, None]
   ids = jax.device_put(ids)
+  if kind.endswith("_fit"):
+    coll = coll.fit_max_unique([{"f": ids}], headroom=_FIT_HEADROOM.value)
   cotangent = jax.device_put(arrays["cotangent"])
   compiled = pallas_step(coll, jax, jnp).lower(state, ids,
                                                     cotangent).compile()
@@ -509,6 +518,11 @@ def compare(a: dict, b: dict) -> dict:
                                    b["untouched_rows_moved"]]}
 
 
+def base_case(case: str) -> str:
+  """'pooled_fit' -> 'pooled': the feature a pallas_emb case runs."""
+  return case.removesuffix("_fit")
+
+
 def _label(r: dict) -> str:
   return f"{r['side']} {r['case']} {r['dtype']}"
 
@@ -516,7 +530,7 @@ def _label(r: dict) -> str:
 def match(pallas: dict, fbgemm: list[dict]) -> dict | None:
   """The FBGEMM case computing the same thing at the same width."""
   want_precision = MATCHING_PRECISION.get(pallas["dtype"])
-  for pooling in (MATCHING_POOLING[pallas["case"]], "sum"):
+  for pooling in (MATCHING_POOLING[base_case(pallas["case"])], "sum"):
     for r in fbgemm:
       if r["pooling"] == pooling and r["precision"] == want_precision:
         return r
@@ -592,8 +606,8 @@ def main(argv):
             f"{_WIDTH.value}, {work['batch']} bags of {work['bag']} "
             f"({work['unique_ids']} distinct ids), written in "
             f"{time.perf_counter() - t0:.1f} s", flush=True)
-      kinds = (list(_PALLAS_CASES.value) if work["bag"] == 1
-               else ["pooled"])
+      kinds = [k for k in _PALLAS_CASES.value
+               if work["bag"] == 1 or base_case(k) == "pooled"]
       pallas = []
       for dtype in _DTYPES.value:
         for kind in kinds:

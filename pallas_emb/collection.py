@@ -679,6 +679,59 @@ class EmbeddingCollection:
       out[name] = emb_grads[name]
     return out
 
+  # --- unique buffers from the stream ------------------------------------------
+
+  def distinct_rows(self, batch: Mapping[str, Any]) -> dict[str, int]:
+    """Host-side: `{table: distinct rows one batch trains}`, counted as
+    the stack's dedup counts them (ids wrapped once; padding, ids outside
+    the table and weight-0 entries take no slot). Reads the ids back."""
+    ids, weights = self._inputs(batch)
+    rows = {name: [] for name in self.tables}
+    for call in self._calls(self._shapes(ids)):
+      for f in call.features:
+        keys = np.asarray(jax.device_get(stack_lib.entry_keys(
+            f, ids[f.name], weights.get(f.name))))
+        rows[self.features[f.name].table].append(keys[keys >= 0])
+    return {name: int(np.unique(np.concatenate(r)).size)
+            for name, r in rows.items()}
+
+  def fit_max_unique(self, batches: Sequence[Mapping[str, Any]], *,
+                     headroom: float = 1.25) -> EmbeddingCollection:
+    """This collection with each table's `max_unique` fit to a sample of
+    the stream: `headroom` x the most distinct rows of the table in one of
+    `batches`, rounded up to a multiple of 8 (a table that had a cap keeps
+    the smaller one).
+
+    A stack's unique buffer holds its tables' caps summed; without caps it
+    is sized for the worst case (every id distinct), and the zero-fill,
+    row norms and update of the step walk all of it. On skewed ids (Zipf)
+    a batch touches a fraction of that. Same plan, so the state carries
+    over. A later batch with more distinct rows than a cap loses those
+    rows' gradients and says so: check the stats with `raise_if_overflow`.
+    """
+    if not (isinstance(headroom, (int, float)) and headroom >= 1
+            and np.isfinite(headroom)):
+      raise InputError(f"pallas_emb fit_max_unique headroom={headroom!r}; "
+                       "expected a finite number >= 1.")
+    batches = list(batches)
+    if not batches:
+      raise InputError("pallas_emb fit_max_unique got no batches; give at "
+                       "least one sample batch of the stream.")
+    most = {name: 0 for name in self.tables}
+    for batch in batches:
+      for name, count in self.distinct_rows(batch).items():
+        most[name] = max(most[name], count)
+    tables = []
+    for name, spec in self.tables.items():
+      cap = 8 * max(1, math.ceil(headroom * most[name] / 8))
+      if spec.max_unique is not None:
+        cap = min(cap, spec.max_unique)
+      tables.append(dataclasses.replace(spec, max_unique=cap))
+    return EmbeddingCollection(
+        tables, tuple(self.features.values()), self.mesh, self.table_axis,
+        data_axis=self.data_axis, replica_axis=self.replica_axis,
+        backend=self.backend, kernel_config=self.kernel_config)
+
   def raise_if_overflow(self, stats: Mapping[str, optim.UpdateStats]) -> None:
     """Host-side: raises if a stack's batch had more distinct rows than its
     unique buffer (only possible with `TableSpec.max_unique`)."""

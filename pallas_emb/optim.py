@@ -70,6 +70,19 @@ def update_from_routed(ctx: EmbeddingContext, opt, backend: str, table,
       routed, segments, ctx.num_unique, round_dtype=table.dtype,
       backend=backend,
       config=kernel_config.segment_sum if kernel_config else None)
+  return update_from_sums(ctx, opt, backend, table, opt_state, grad_accum,
+                          row_sq, unique_tokens, pending, num_overflow,
+                          kernel_config)
+
+
+def update_from_sums(ctx: EmbeddingContext, opt, backend: str, table,
+                     opt_state, grad_accum, row_sq, unique_tokens, pending,
+                     num_overflow, kernel_config=None):
+  """DESIGN §4.3-§4.6 on one rank from this rank's segment sums.
+
+  `grad_accum` f32 `[U, S]` and `row_sq` `[U + 1]` as
+  `kernels.segment_sum_rows` returns them for this rank's tokens.
+  """
   if ctx.replica_axis:
     # Every replica applies the same update: sum all replicas' rows first.
     grad_accum = _ordered_sum(grad_accum, ctx.replica_axis)

@@ -143,8 +143,10 @@ class StackRouting(NamedTuple):
 # --- keys and weights ------------------------------------------------------------
 
 
-def _keys(feature: FeatureCall, ids: jax.Array, weights: jax.Array | None):
-  """This rank's entries of a feature as keys (see the module docstring)."""
+def entry_keys(feature: FeatureCall, ids: jax.Array,
+               weights: jax.Array | None):
+  """A feature's entries as keys (see the module docstring); `weights`: the
+  pooled entries' weights (0: the entry does not train)."""
   x = ids.reshape(-1)
   wrapped = jnp.where(x < 0, x + feature.vocab_rows, x)
   row = feature.row_offset + jnp.clip(wrapped, 0, feature.vocab_rows - 1)
@@ -188,7 +190,7 @@ def gather_entries(call: StackCall, ids: Sequence[jax.Array],
   weights_all [W, pooled entries])`.
   """
   w_by_name = dict(zip((f.name for f in call.pooled), weights))
-  parts = [_keys(f, x, w_by_name.get(f.name))
+  parts = [entry_keys(f, x, w_by_name.get(f.name))
            for f, x in zip(call.features, ids)]
   wbits = [lax.bitcast_convert_type(w_by_name[f.name].reshape(-1),
                                     jnp.int32) for f in call.pooled]
@@ -294,6 +296,31 @@ def split_rows(call: StackCall, rows: jax.Array) -> list[jax.Array]:
 # --- gradients -------------------------------------------------------------------
 
 
+def _routed_rows(call: StackCall, grads: Sequence[jax.Array]) -> jax.Array:
+  """`[W, rows per rank, S]`: this rank's columns of the gradient of every
+  row the communicator exchanged (ONE all-to-all; pooled ones in f32)."""
+  flat = [g.reshape(-1, g.shape[-1]) for g in grads]
+  if call.pooled:
+    flat = [g.astype(jnp.float32) for g in flat]
+  local = jnp.concatenate(flat) if len(flat) > 1 else flat[0]
+  return exchange.route_gradients(call.ctx, local).reshape(
+      call.ctx.group_size, call.sequence_entries + call.pooled_bags, -1)
+
+
+def _per_pooled_feature(call: StackCall, bags: jax.Array,
+                        weights_all: jax.Array):
+  """Per pooled feature: `(feature, its bags [W, n, S], its entries'
+  weights [W, n, L])`, from all pooled bags and entry weights."""
+  w = call.ctx.group_size
+  bag = entry = 0
+  for f in call.pooled:
+    n, length = f.local_examples, f.bag_len
+    yield (f, bags[:, bag:bag + n],
+           weights_all[:, entry:entry + n * length].reshape(w, n, length))
+    bag += n
+    entry += n * length
+
+
 def routed_entry_grads(call: StackCall, grads: Sequence[jax.Array],
                        weights_all: jax.Array) -> jax.Array:
   """`[W * E, S]`: this rank's columns of the gradient of every entry of the
@@ -303,14 +330,7 @@ def routed_entry_grads(call: StackCall, grads: Sequence[jax.Array],
   feature's one row per example); a pooled example's gradient then reaches
   each of its entries scaled by the entry's combiner weight.
   """
-  ctx = call.ctx
-  w = ctx.group_size
-  flat = [g.reshape(-1, g.shape[-1]) for g in grads]
-  if call.pooled:
-    flat = [g.astype(jnp.float32) for g in flat]
-  local = jnp.concatenate(flat) if len(flat) > 1 else flat[0]
-  routed = exchange.route_gradients(ctx, local).reshape(
-      w, call.sequence_entries + call.pooled_bags, -1)
+  routed = _routed_rows(call, grads)
   if not call.pooled:
     return routed.reshape(-1, routed.shape[-1])
   bags = routed[:, call.sequence_entries:]
@@ -319,6 +339,48 @@ def routed_entry_grads(call: StackCall, grads: Sequence[jax.Array],
   per_entry = common.unfused_product(per_entry, weights_all[:, :, None])
   return jnp.concatenate([routed[:, :call.sequence_entries], per_entry],
                          axis=1).reshape(-1, routed.shape[-1])
+
+
+def grad_sums_by_position(call: StackCall, grads: Sequence[jax.Array],
+                          weights_all: jax.Array, segments: jax.Array,
+                          round_dtype) -> tuple[jax.Array, jax.Array]:
+  """The xla backend's segment sums of a stack with pooled features.
+
+  What `segment_sum_rows(routed_entry_grads(...), segments)` computes,
+  without the `[W * E, S]` per-entry gradient: each bag position k of a
+  pooled feature scatter-adds `bag gradient * weight[:, k]` (`[W * n, S]`)
+  straight into the sums, so a bag of L ids costs L scatters of one row per
+  bag instead of a buffer L times the bags' size. The adds meet each slot
+  in another order than the entry order (f32 rounding of the sums).
+  """
+  ctx = call.ctx
+  w, num_unique = ctx.group_size, ctx.num_unique
+  routed = _routed_rows(call, grads)
+  width = routed.shape[-1]
+  segments = segments.reshape(w, call.entries)
+  slots = lambda s: jnp.where((s >= 0) & (s < num_unique), s, num_unique)
+  accum = jnp.zeros((num_unique, width), jnp.float32)
+  if call.sequence:
+    accum = accum.at[slots(segments[:, :call.sequence_entries]).reshape(
+        -1)].add(routed[:, :call.sequence_entries].reshape(-1, width),
+                 mode="drop")
+  entry = call.sequence_entries
+  for f, bags, weights in _per_pooled_feature(
+      call, routed[:, call.sequence_entries:], weights_all):
+    n, length = f.local_examples, f.bag_len
+    seg = segments[:, entry:entry + n * length].reshape(w, n, length)
+    entry += n * length
+
+    def add(k, acc, bags=bags, seg=seg, weights=weights):
+      rows = common.unfused_product(
+          bags, lax.dynamic_index_in_dim(weights, k, 2, keepdims=False)[
+              ..., None])
+      keys = slots(lax.dynamic_index_in_dim(seg, k, 2, keepdims=False))
+      return acc.at[keys.reshape(-1)].add(rows.reshape(-1, width),
+                                          mode="drop")
+
+    accum = lax.fori_loop(0, length, add, accum, unroll=min(length, 4))
+  return accum, common.row_square_sums(accum, round_dtype)
 
 
 def route(call: StackCall, keys_all, weights_all) -> StackRouting:
@@ -342,6 +404,13 @@ def update(call: StackCall, backend: str, table, opt_state,
            routing: StackRouting, grads, pending, kernel_config=None):
   """The stack's fused sparse update from its features' gradients."""
   weights_all = routing.weights.reshape(call.ctx.group_size, -1)
+  if call.pooled and backend == "xla":
+    grad_accum, row_sq = grad_sums_by_position(
+        call, grads, weights_all, routing.segments, table.dtype)
+    return optim.update_from_sums(
+        call.ctx, call.optimizer, backend, table, opt_state, grad_accum,
+        row_sq, routing.unique_tokens, pending, routing.num_overflow,
+        kernel_config)
   routed = routed_entry_grads(call, grads, weights_all)
   return optim.update_from_routed(
       call.ctx, call.optimizer, backend, table, opt_state, routed,

@@ -284,6 +284,119 @@ class StackingTest(absltest.TestCase):
     self.assertEqual([int(s.valid) for s in stats.values()], [0, 0, 0])
 
 
+def model_distinct_rows(coll, batch, weights=None):
+  """Per table: distinct rows its features' ids train (numpy model)."""
+  weights = weights or {}
+  rows = {name: [] for name in coll.tables}
+  for f in coll.features.values():
+    table = coll.tables[f.table]
+    ids = np.asarray(batch[f.name]).reshape(-1).astype(np.int64)
+    r = np.where(ids < 0, ids + table.vocab_rows, ids)
+    keep = (r >= 0) & (r < table.vocab_rows)
+    if table.padding_id is not None:
+      keep &= ids != table.padding_id
+    if f.name in weights:
+      keep &= np.asarray(weights[f.name]).reshape(-1) != 0
+    rows[f.table].append(r[keep])
+  return {name: int(np.unique(np.concatenate(r)).size)
+          for name, r in rows.items()}
+
+
+class FitMaxUniqueTest(absltest.TestCase):
+  """Unique buffers sized from a sample of the stream."""
+
+  def setUp(self):
+    super().setUp()
+    self.mesh = test_util.mesh({"r": 2, "x": 4})
+    self.tables = [
+        pe.TableSpec("a", 1000, 16, optimizer=pe.RowwiseAdagrad(0.1),
+                     padding_id=0),
+        pe.TableSpec("b", 50, 16, optimizer=pe.RowwiseAdagrad(0.1))]
+    self.features = [pe.FeatureSpec("s", "a"),
+                     pe.FeatureSpec("p", "a", combiner="mean"),
+                     pe.FeatureSpec("q", "b", combiner="sum")]
+    self.coll = pe.EmbeddingCollection(
+        self.tables, self.features, self.mesh, "x", replica_axis="r",
+        backend="xla")
+    self.rng = np.random.default_rng(7)
+
+  def batch(self, high=40):
+    lengths = self.rng.integers(0, 5, 16).astype(np.int32)
+    return {"s": edge_ids(self.rng, (16, 3), 1000) % high,
+            "p": self.rng.integers(0, high, (16, 5)).astype(np.int32),
+            "q": pe.Bag(self.rng.integers(0, 50, (16, 4)).astype(np.int32),
+                        lengths=lengths)}
+
+  def test_distinct_rows_counts_what_trains(self):
+    for seed in range(3):
+      coll, _, shapes, rng, config = random_collection(200 + seed, "xla")
+      batch = {f.name: edge_ids(rng, shapes[f.name],
+                                coll.tables[f.table].vocab_rows)
+               for f in coll.features.values()}
+      self.assertEqual(coll.distinct_rows(batch),
+                       model_distinct_rows(coll, batch), config)
+    batch = self.batch()
+    bag = batch["q"]
+    mask = (np.arange(4) < bag.lengths[:, None]).astype(np.float32)
+    want = model_distinct_rows(self.coll, dict(batch, q=bag.ids),
+                               {"q": mask})
+    self.assertEqual(self.coll.distinct_rows(batch), want)
+
+  def test_fit_collection_trains_bit_identically(self):
+    batches = [self.batch() for _ in range(4)]
+    fit = self.coll.fit_max_unique(batches[:2], headroom=1.5)
+    most = [max(model_distinct_rows(self.coll, dict(
+        b, q=b["q"].ids), {"q": (np.arange(4) < b["q"].lengths[:, None])})[
+            name] for b in batches[:2]) for name in ("a", "b")]
+    self.assertEqual(
+        [fit.tables[n].max_unique for n in ("a", "b")],
+        [8 * int(np.ceil(1.5 * m / 8)) for m in most])
+    shapes = lambda c: [k.ctx.num_unique for k in c._calls(  # pylint: disable=protected-access
+        c._shapes(c._inputs(batches[0])[0]))]  # pylint: disable=protected-access
+    self.assertLess(shapes(fit)[0], shapes(self.coll)[0])
+
+    def train(coll, state):
+      step = jax.jit(lambda st, b: coll.apply_gradients(
+          st, *_grads_of_sin(coll, st, b)))
+      for b in batches:
+        state, stats = step(state, b)
+        coll.raise_if_overflow(stats)
+      return state
+
+    want = train(self.coll, self.coll.init(jax.random.key(0)))
+    got = train(fit, self.coll.init(jax.random.key(0)))  # same plan, state
+    for name in want.stacks:
+      test_util.assert_bits_equal(self, got.stacks[name].table,
+                                  test_util.as_numpy(want.stacks[name].table))
+      test_util.assert_bits_equal(
+          self, got.stacks[name].opt_state.row_state,
+          test_util.as_numpy(want.stacks[name].opt_state.row_state))
+
+  def test_a_batch_over_the_fit_says_so(self):
+    fit = self.coll.fit_max_unique([self.batch(high=5)], headroom=1.0)
+    state = fit.init(jax.random.key(0))
+    big = self.batch(high=1000)
+    _, stats = fit.apply_gradients(state, *_grads_of_sin(fit, state, big))
+    with self.assertRaisesRegex(pe.UniqueOverflowError,
+                                "more distinct ids in one batch"):
+      fit.raise_if_overflow(stats)
+
+  def test_bad_arguments(self):
+    for kwargs, message in (
+        (dict(batches=[], headroom=1.25), "got no batches"),
+        (dict(batches=[self.batch()], headroom=0.5),
+         r"headroom=0.5; expected a finite number >= 1")):
+      with self.assertRaisesRegex(pe.InputError, message):
+        self.coll.fit_max_unique(**kwargs)
+
+
+def _grads_of_sin(coll, state, batch):
+  """`(routing, gradients)` of `sum(sin(embeddings))` for one batch."""
+  emb, routing = coll.lookup_and_route(state, batch)
+  return routing, jax.grad(
+      lambda e: sum(jnp.sum(jnp.sin(v)) for v in e.values()))(emb)
+
+
 class EagerCallTest(absltest.TestCase):
   """Calls outside jit run compiled, and compile once per batch layout."""
 

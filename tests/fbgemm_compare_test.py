@@ -57,7 +57,8 @@ class FbgemmCompareTest(absltest.TestCase):
     self.assertTrue(all(r["side"] == "pallas_emb" for r in results))
     cases = {(r["workload"], r["case"]) for r in results}
     self.assertEqual(cases, {("a", "sequence"), ("a", "pooled"),
-                             ("b", "pooled")})
+                             ("a", "pooled_fit"), ("b", "pooled"),
+                             ("b", "pooled_fit")})
     for r in results:
       self.assertGreater(r["median_ms"], 0)
       self.assertLen(r["losses"], 3)  # warmup + steps
@@ -77,6 +78,11 @@ class FbgemmCompareTest(absltest.TestCase):
     c = by_pair[("a", "pallas_emb sequence float32",
                  "pallas_emb pooled float32")]
     self.assertLess(c["max_abs_diff_rows"], 1e-6)
+    # A unique buffer fit to the ids changes no bit of the training.
+    for workload in ("a", "b"):
+      c = by_pair[(workload, "pallas_emb pooled float32",
+                   "pallas_emb pooled_fit float32")]
+      self.assertEqual(c["max_abs_diff_rows"], 0.0)
     self.assertIn("workload", doc["table"])
 
   def test_skip_when_fbgemm_does_not_import(self):

@@ -331,5 +331,13 @@ class AdagradRule:
 
 def row_square_sums(grad_accum: jax.Array, round_dtype) -> jax.Array:
   """`[U + 1]`: per row `sum_c round(g)**2`, the total in the last slot."""
-  row_sq = jnp.sum(jnp.square(round_to(grad_accum, round_dtype)), axis=1)
+  squares = jnp.square(round_to(grad_accum, round_dtype))
+  # Halving adds, not a reduce: XLA:CPU hands a row reduce to a library
+  # call that cannot fuse the squares, which then take a `[U, S]` buffer.
+  while squares.shape[1] > 1:
+    half = squares.shape[1] // 2
+    folded = squares[:, :half] + squares[:, half:2 * half]
+    squares = (folded if squares.shape[1] % 2 == 0 else
+               jnp.concatenate([folded, squares[:, 2 * half:]], axis=1))
+  row_sq = squares[:, 0]
   return jnp.concatenate([row_sq, jnp.sum(row_sq, keepdims=True)])
