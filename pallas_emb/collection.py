@@ -77,6 +77,7 @@ class TableSpec:
     max_unique: cap on the distinct rows of one batch this table may use in
       its stack's unique buffer (default: never overflows); a batch over
       the cap raises `UniqueOverflowError` when its stats are checked.
+      `EmbeddingCollection.fit_max_unique` sets it from sample batches.
   """
   name: str
   vocab_rows: int
