@@ -214,6 +214,9 @@ def write_workload(work: dict, directory: str, width: int, zipf: float,
                                                  np.float32) * scale
   table.flush()
   del table
+  # Write the file back now: its dirty pages would otherwise be flushed
+  # while the first case is timed.
+  os.sync()
   ids = zipf_ids(rng, rows - 1, batch * bag, zipf)
   ids = ids.reshape(batch) if bag == 1 else ids.reshape(batch, bag)
   cotangent = rng.standard_normal((batch, width), np.float32)

@@ -252,16 +252,19 @@ StackRouting = stack_lib.StackRouting
 
 
 @functools.partial(jax.tree_util.register_dataclass,
-                   data_fields=["stacks"], meta_fields=["shapes"])
+                   data_fields=["stacks"],
+                   meta_fields=["shapes", "unit_weights"])
 @dataclasses.dataclass(frozen=True)
 class Routing:
   """A looked-up batch's routing, kept for its update (one per stack).
 
   `shapes` (static) are the ids' shapes per feature, so the update knows
-  the batch layout without the batch.
+  the batch layout without the batch; `unit_weights` (static) the pooled
+  features whose training entries all weigh 1 (see `_inputs`).
   """
   stacks: dict[str, StackRouting]
   shapes: tuple[tuple[str, tuple[int, ...]], ...]
+  unit_weights: tuple[str, ...] = ()
 
 
 class EmbeddingCollection:
@@ -450,11 +453,14 @@ class EmbeddingCollection:
   # --- per-call checks ----------------------------------------------------------
 
   def _inputs(self, batch: Mapping[str, Any]):
-    """`(ids, weights)`: every feature's ids and every pooled feature's
-    combiner input weights, converted and checked (before tracing)."""
+    """`(ids, weights, unit_weights)`: every feature's ids and every pooled
+    feature's combiner input weights, converted and checked (before
+    tracing), and the pooled features whose entries that train all enter
+    their bags with weight 1 (no per-id weights, and `sum` or bags of one):
+    their gradients need no product with the weights."""
     self._check_per_feature(batch, "batch", "ids",
                             "Give every feature's ids.")
-    ids, weights = {}, {}
+    ids, weights, unit = {}, {}, []
     for name, spec in self.features.items():
       value = batch[name]
       bag = value if isinstance(value, Bag) else Bag(value)
@@ -467,8 +473,10 @@ class EmbeddingCollection:
                                    self.num_replicas, f"batch[{name!r}]")
       ids[name] = x
       if spec.combiner is not None:
-        weights[name] = _bag_weights(spec, bag, batch, x)
-    return ids, weights
+        weights[name], implicit = _bag_weights(spec, bag, batch, x)
+        if implicit and (spec.combiner == "sum" or x.shape[1] == 1):
+          unit.append(name)
+    return ids, weights, tuple(unit)
 
   def _check_per_feature(self, mapping, what: str, noun: str, fix: str):
     """`mapping` is a dict with an entry for every feature."""
@@ -482,14 +490,17 @@ class EmbeddingCollection:
                        f"features {missing}; it has keys "
                        f"{sorted(map(str, mapping))}. {fix}")
 
-  def _calls(self, shapes: tuple[tuple[str, tuple[int, ...]], ...]
+  def _calls(self, shapes: tuple[tuple[str, tuple[int, ...]], ...],
+             unit_weights: tuple[str, ...] = ()
              ) -> tuple[stack_lib.StackCall, ...]:
     """The per-stack layout of a batch with these ids shapes (cached)."""
-    if shapes not in self._calls_cache:
-      self._calls_cache[shapes] = self._make_calls(dict(shapes))
-    return self._calls_cache[shapes]
+    key = (shapes, unit_weights)
+    if key not in self._calls_cache:
+      self._calls_cache[key] = self._make_calls(dict(shapes), unit_weights)
+    return self._calls_cache[key]
 
-  def _make_calls(self, shapes) -> tuple[stack_lib.StackCall, ...]:
+  def _make_calls(self, shapes, unit_weights
+                  ) -> tuple[stack_lib.StackCall, ...]:
     shards = self.group_size * self.num_replicas
     calls = []
     for stack in self.plan.stacks:
@@ -502,7 +513,8 @@ class EmbeddingCollection:
             name=name, row_offset=stack.row_offsets[i],
             vocab_rows=table.vocab_rows, padding_id=table.padding_id,
             shape=tuple(shapes[name]), combiner=spec.combiner,
-            local_examples=shapes[name][0] // shards))
+            local_examples=shapes[name][0] // shards,
+            unit_weights=name in unit_weights))
         bounds[table.name] = bounds.get(table.name, 0) + math.prod(
             shapes[name])
       # Sequence features first: their ids are gathered, pooled ones pooled.
@@ -563,8 +575,8 @@ class EmbeddingCollection:
     like the sparse update, gives nothing to padding and to ids outside
     their table; `apply_gradients` is the sparse path.
     """
-    ids, weights = self._inputs(batch)
-    calls = self._calls(self._shapes(ids))
+    ids, weights, unit = self._inputs(batch)
+    calls = self._calls(self._shapes(ids), unit)
     outs = _collection_lookup(self, calls, self._tables(state),
                               self._placed(ids), self._placed_weights(weights))
     return dict(zip(self.features, outs))
@@ -573,9 +585,9 @@ class EmbeddingCollection:
                        ) -> tuple[dict[str, jax.Array], Routing]:
     """The embeddings and the routing their update needs, from one all-gather
     of the ids per stack (what the `Trainer` calls)."""
-    ids, weights = self._inputs(batch)
+    ids, weights, unit = self._inputs(batch)
     shapes = self._shapes(ids)
-    calls = self._calls(shapes)
+    calls = self._calls(shapes, unit)
     fn = functools.partial(_lookup_per_rank, self.backend,
                            self.kernel_config, self._order(), calls,
                            route=True)
@@ -587,13 +599,13 @@ class EmbeddingCollection:
     )(self._tables(state), self._placed(ids), self._placed_weights(weights))
     return (dict(zip(self.features, outs)),
             Routing(dict(zip((s.name for s in self.plan.stacks), routings)),
-                    shapes))
+                    shapes, unit))
 
   def route(self, batch) -> Routing:
     """The routing of a batch alone (its ids' all-gather and dedup)."""
-    ids, weights = self._inputs(batch)
+    ids, weights, unit = self._inputs(batch)
     shapes = self._shapes(ids)
-    calls = self._calls(shapes)
+    calls = self._calls(shapes, unit)
     fn = functools.partial(_route_per_rank, self._order(), calls)
     routings = exchange.shard(
         calls[0].ctx, fn,
@@ -601,7 +613,7 @@ class EmbeddingCollection:
         out_specs=self._routing_specs())(self._placed(ids),
                                          self._placed_weights(weights))
     return Routing(dict(zip((s.name for s in self.plan.stacks), routings)),
-                   shapes)
+                   shapes, unit)
 
   def _order(self):
     """(feature names, pooled feature names), the orders of the inputs."""
@@ -647,7 +659,7 @@ class EmbeddingCollection:
     _check_state(self, state)
     routing = (batch_or_routing if isinstance(batch_or_routing, Routing)
                else self.route(batch_or_routing))
-    calls = self._calls(routing.shapes)
+    calls = self._calls(routing.shapes, routing.unit_weights)
     grads = self._grads(emb_grads, dict(routing.shapes))
     specs = self._state_specs()
     fn = functools.partial(_apply_per_rank, self.backend,
@@ -686,9 +698,9 @@ class EmbeddingCollection:
     """Host-side: `{table: distinct rows one batch trains}`, counted as
     the stack's dedup counts them (ids wrapped once; padding, ids outside
     the table and weight-0 entries take no slot). Reads the ids back."""
-    ids, weights = self._inputs(batch)
+    ids, weights, unit = self._inputs(batch)
     rows = {name: [] for name in self.tables}
-    for call in self._calls(self._shapes(ids)):
+    for call in self._calls(self._shapes(ids), unit):
       for f in call.features:
         keys = np.asarray(jax.device_get(stack_lib.entry_keys(
             f, ids[f.name], weights.get(f.name))))
@@ -790,8 +802,10 @@ def _check_specs(tables, features) -> None:
         "feature; add a FeatureSpec for each, or drop them.")
 
 
-def _bag_weights(spec: FeatureSpec, bag: Bag, batch, ids) -> jax.Array:
-  """The input weights `[B, L]` of a pooled feature's bags (before tracing).
+def _bag_weights(spec: FeatureSpec, bag: Bag, batch, ids
+                 ) -> tuple[jax.Array, bool]:
+  """The input weights `[B, L]` of a pooled feature's bags (before tracing),
+  and whether they are implicit (ones or a lengths mask: 0 or 1 only).
 
   From `bag.weights` (e.g. the 0/1 mask of `pe.pad_ragged`), or for a
   weighted feature `batch[name + "_weights"]` (required), else from
@@ -821,7 +835,7 @@ def _bag_weights(spec: FeatureSpec, bag: Bag, batch, ids) -> jax.Array:
           f"pallas_emb weights of feature {name!r} are "
           f"{np.dtype(weights.dtype).name}{list(weights.shape)}; expected "
           f"float weights of the ids' shape {list(ids.shape)}.")
-    return jnp.asarray(weights, jnp.float32)
+    return jnp.asarray(weights, jnp.float32), False
   if bag.lengths is not None:
     lengths = validation.as_ids(bag.lengths, f"lengths of feature {name!r}")
     if tuple(lengths.shape) != tuple(ids.shape[:1]):
@@ -829,8 +843,9 @@ def _bag_weights(spec: FeatureSpec, bag: Bag, batch, ids) -> jax.Array:
           f"pallas_emb lengths of feature {name!r} have shape "
           f"{tuple(lengths.shape)}; expected ({ids.shape[0]},), one per "
           "example.")
-    return (jnp.arange(ids.shape[1]) < lengths[:, None]).astype(jnp.float32)
-  return jnp.ones(ids.shape, jnp.float32)
+    return (jnp.arange(ids.shape[1]) < lengths[:, None]).astype(
+        jnp.float32), True
+  return jnp.ones(ids.shape, jnp.float32), True
 
 
 def _check_names(mapping, expected, what) -> None:

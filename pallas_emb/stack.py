@@ -47,6 +47,8 @@ class FeatureCall:
   shape: tuple[int, ...]      # the global ids shape
   combiner: str | None        # None: a sequence feature
   local_examples: int         # examples (leading dim) per rank
+  # Every entry that trains enters its bag with weight 1 (no product).
+  unit_weights: bool = False
 
   @property
   def pooled(self) -> bool:
@@ -371,8 +373,8 @@ def grad_sums_by_position(call: StackCall, grads: Sequence[jax.Array],
     seg = segments[:, entry:entry + n * length].reshape(w, n, length)
     entry += n * length
 
-    def add(k, acc, bags=bags, seg=seg, weights=weights):
-      rows = common.unfused_product(
+    def add(k, acc, bags=bags, seg=seg, weights=weights, unit=f.unit_weights):
+      rows = bags if unit else common.unfused_product(
           bags, lax.dynamic_index_in_dim(weights, k, 2, keepdims=False)[
               ..., None])
       keys = slots(lax.dynamic_index_in_dim(seg, k, 2, keepdims=False))

@@ -390,6 +390,45 @@ class FitMaxUniqueTest(absltest.TestCase):
         self.coll.fit_max_unique(**kwargs)
 
 
+class UnitWeightsTest(absltest.TestCase):
+  """Bags whose training entries all weigh 1 skip the weight product."""
+
+  def test_implicit_weights_train_like_the_same_explicit_weights(self):
+    mesh = test_util.mesh({"x": 4})
+    tables = [pe.TableSpec("t", 40, 16, optimizer=pe.RowwiseAdagrad(0.2),
+                           padding_id=0)]
+    features = [pe.FeatureSpec("s", "t", combiner="sum"),
+                pe.FeatureSpec("m", "t", combiner="mean"),
+                pe.FeatureSpec("one", "t", combiner="sqrtn")]
+    rng = np.random.default_rng(3)
+    ids = {"s": rng.integers(-40, 45, (8, 3)).astype(np.int32),
+           "m": rng.integers(0, 40, (8, 2)).astype(np.int32),
+           "one": rng.integers(0, 40, (8, 1)).astype(np.int32)}
+    lengths = {k: rng.integers(0, v.shape[1] + 1, 8).astype(np.int32)
+               for k, v in ids.items()}
+    masks = {k: (np.arange(v.shape[1]) < lengths[k][:, None]).astype(
+        np.float32) for k, v in ids.items()}
+    implicit = {k: pe.Bag(v, lengths=lengths[k]) for k, v in ids.items()}
+    explicit = {k: pe.Bag(v, weights=masks[k]) for k, v in ids.items()}
+    for backend in test_util.backends():
+      with self.subTest(backend=backend):
+        coll = pe.EmbeddingCollection(tables, features, mesh, "x",
+                                      backend=backend)
+        states = []
+        for batch in (implicit, explicit):
+          state = coll.init(jax.random.key(0))
+          for _ in range(2):
+            routing, grads = _grads_of_sin(coll, state, batch)
+            state, _ = coll.apply_gradients(state, routing, grads)
+          states.append((state, routing.unit_weights))
+        # A mean of more than one id weighs 1 / count: not a unit bag.
+        self.assertEqual(states[0][1], ("s", "one"))
+        self.assertEqual(states[1][1], ())
+        test_util.assert_bits_equal(
+            self, states[0][0].stacks["stack0"].table,
+            test_util.as_numpy(states[1][0].stacks["stack0"].table))
+
+
 def _grads_of_sin(coll, state, batch):
   """`(routing, gradients)` of `sum(sin(embeddings))` for one batch."""
   emb, routing = coll.lookup_and_route(state, batch)
