@@ -43,8 +43,9 @@ forward has no bf16). Without that python, or if it cannot import
 fbgemm_gpu, the FBGEMM rows are skipped with a message saying why.
 
 Threads: `--threads=1` (default) makes both sides single-threaded: XLA_FLAGS
-gets `--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1`,
-the worker calls `torch.set_num_threads(1)` (OMP/MKL_NUM_THREADS=1), and
+gets `--xla_cpu_multi_thread_eigen=false` (XLA:CPU has no thread-count
+flag: other values leave XLA as it is), the worker calls
+`torch.set_num_threads(1)` (OMP/MKL_NUM_THREADS=1), and
 `--pin_cpus` (default "0") pins this process and the worker (inherited) to
 those cores. Every case records CPU time / wall time of its timed steps
 (~1.0 = one busy thread) and the settings.
@@ -107,8 +108,9 @@ _FBGEMM_SEQUENCE = flags.DEFINE_bool(
     "fbgemm_sequence", True,
     "Also run FBGEMM's PoolingMode.NONE (sequence) path for bags of 1.")
 _THREADS = flags.DEFINE_integer(
-    "threads", 1, "Threads of each side (XLA intra-op, torch); 0: leave "
-    "both libraries' defaults.")
+    "threads", 1, "Threads of each side: 1 makes XLA:CPU's ops and torch "
+    "single-threaded; N > 1 sets torch's threads and leaves XLA's default; "
+    "0 leaves both libraries' defaults.")
 _PIN = flags.DEFINE_list("pin_cpus", ["0"],
                          "Pin both processes to these cores; '' for none.")
 _TMP = flags.DEFINE_string("tmp_dir", None,
@@ -178,11 +180,11 @@ def configure(threads: int, pin: list[int]) -> dict:
   os.environ["JAX_PLATFORMS"] = "cpu"
   if pin:
     os.sched_setaffinity(0, pin)
-  if threads:
+  if threads == 1:
+    # XLA:CPU has no thread-count flag; this one makes its ops one thread.
     parts = os.environ.get("XLA_FLAGS", "").split()
-    parts += ["--xla_cpu_multi_thread_eigen=false",
-              f"intra_op_parallelism_threads={threads}"]
-    os.environ["XLA_FLAGS"] = " ".join(parts)
+    os.environ["XLA_FLAGS"] = " ".join(
+        parts + ["--xla_cpu_multi_thread_eigen=false"])
   return {"xla_flags": os.environ.get("XLA_FLAGS", ""),
           "affinity": sorted(os.sched_getaffinity(0)),
           # glibc malloc settings change XLA:CPU's per-step page faults.

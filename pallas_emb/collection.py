@@ -28,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import numbers
 import zlib
 from typing import Any, Callable, Mapping, NamedTuple, Sequence
 
@@ -260,7 +261,11 @@ class Routing:
 
   `shapes` (static) are the ids' shapes per feature, so the update knows
   the batch layout without the batch; `unit_weights` (static) the pooled
-  features whose training entries all weigh 1 (see `_inputs`).
+  features whose training entries all weigh 1 (see `_inputs`): their
+  update skips the weights. Static fields are not saved in a checkpoint;
+  a restored routing takes them from the restore target, so build that
+  target from batches of the same kind (plain ids or lengths vs per-id
+  weights) as the saved run's.
   """
   stacks: dict[str, StackRouting]
   shapes: tuple[tuple[str, tuple[int, ...]], ...]
@@ -722,8 +727,8 @@ class EmbeddingCollection:
     over. A later batch with more distinct rows than a cap loses those
     rows' gradients and says so: check the stats with `raise_if_overflow`.
     """
-    if not (isinstance(headroom, (int, float)) and headroom >= 1
-            and np.isfinite(headroom)):
+    if (not isinstance(headroom, numbers.Real) or isinstance(headroom, bool)
+        or not (np.isfinite(headroom) and headroom >= 1)):
       raise InputError(f"pallas_emb fit_max_unique headroom={headroom!r}; "
                        "expected a finite number >= 1.")
     batches = list(batches)
@@ -740,7 +745,7 @@ class EmbeddingCollection:
       if spec.max_unique is not None:
         cap = min(cap, spec.max_unique)
       tables.append(dataclasses.replace(spec, max_unique=cap))
-    return EmbeddingCollection(
+    return type(self)(
         tables, tuple(self.features.values()), self.mesh, self.table_axis,
         data_axis=self.data_axis, replica_axis=self.replica_axis,
         backend=self.backend, kernel_config=self.kernel_config)

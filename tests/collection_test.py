@@ -385,7 +385,9 @@ class FitMaxUniqueTest(absltest.TestCase):
     for kwargs, message in (
         (dict(batches=[], headroom=1.25), "got no batches"),
         (dict(batches=[self.batch()], headroom=0.5),
-         r"headroom=0.5; expected a finite number >= 1")):
+         r"headroom=0.5; expected a finite number >= 1"),
+        (dict(batches=[self.batch()], headroom=True),
+         r"headroom=True; expected a finite number >= 1")):
       with self.assertRaisesRegex(pe.InputError, message):
         self.coll.fit_max_unique(**kwargs)
 

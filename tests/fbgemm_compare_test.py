@@ -51,7 +51,7 @@ class FbgemmCompareTest(absltest.TestCase):
     self.assertIn("/nonexistent/python is not an executable", stdout)
     self.assertIn("fbgemm-gpu-cpu==1.8.0", doc["meta"]["fbgemm_skipped"])
     self.assertEmpty(leftovers)  # the workload files are removed
-    self.assertIn("intra_op_parallelism_threads=1",
+    self.assertIn("--xla_cpu_multi_thread_eigen=false",
                   doc["meta"]["pallas_emb_threads"]["xla_flags"])
     results = doc["results"]
     self.assertTrue(all(r["side"] == "pallas_emb" for r in results))
