@@ -23,6 +23,9 @@ import numpy as np
 import collection_test
 import numpy_model
 import pallas_emb as pe
+from pallas_emb import collection as collection_lib
+from pallas_emb import kernels
+from pallas_emb import stack as stack_lib
 from pallas_emb.testing import hlo
 
 OPT_KW = dict(learning_rate=0.1, half_life_steps=3.0, weight_decay=0.05,
@@ -198,6 +201,73 @@ class PooledModelTest(parameterized.TestCase):
     for name, table in coll.table_arrays(state).items():
       collection_test.assert_tables_close(self, table, model.models[name],
                                           name)
+
+
+class GradSumsByPositionTest(absltest.TestCase):
+  """The xla backend's per-position segment sums == the per-entry ones."""
+
+  def test_equals_the_segment_sum_of_per_entry_gradients(self):
+    mesh = test_util.mesh({"r": 2, "x": 4})
+    opt = pe.RowwiseAdagrad(**OPT_KW)
+    tables = [pe.TableSpec("items", 30, 16, optimizer=opt, padding_id=0,
+                           max_unique=9),   # overflows: dropped the same
+              pe.TableSpec("tags", 12, 16, optimizer=opt)]
+    features = [
+        pe.FeatureSpec("item", "items"),
+        pe.FeatureSpec("history", "items", combiner="mean"),
+        pe.FeatureSpec("clicks", "items", combiner="sqrtn", weighted=True),
+        pe.FeatureSpec("tags", "tags", combiner="sum"),
+        pe.FeatureSpec("one", "items", combiner="mean"),
+        pe.FeatureSpec("bagged", "tags", combiner="sum")]
+    coll = pe.EmbeddingCollection(tables, features, mesh, "x",
+                                  replica_axis="r", backend="xla")
+    rng = np.random.default_rng(11)
+    batch, _ = random_batch(coll, rng, 8)
+    batch["one"] = rng.integers(-30, 32, (8, 1)).astype(np.int32)
+    ids, lengths = random_bags(rng, 8, 3, 12)
+    batch["bagged"] = pe.Bag(ids, lengths=lengths)
+    batch["clicks_weights"][0, :] = [-1.0, 0.5, 2.0]
+    ids, weights, unit = coll._inputs(batch)  # pylint: disable=protected-access
+    self.assertEqual(unit, ("one", "bagged"))
+    calls = coll._calls(coll._shapes(ids), unit)  # pylint: disable=protected-access
+    order = coll._order()  # pylint: disable=protected-access
+    # Every feature here gives one row per example ("item" is [B]).
+    grads = {n: rng.standard_normal((8, 16)).astype(np.float32)
+             for n in coll.features}
+
+    def per_rank(all_ids, all_weights, all_grads):
+      (call, stack_ids, stack_weights), = collection_lib._per_stack(  # pylint: disable=protected-access
+          order, calls, all_ids, all_weights)
+      by_name = dict(zip(order[0], all_grads))
+      stack_grads = [by_name[f.name] for f in call.features]
+      keys_all, weights_all = stack_lib.gather_entries(call, stack_ids,
+                                                      stack_weights)
+      routing = stack_lib.route(call, keys_all, weights_all)
+      weights_all = routing.weights.reshape(call.ctx.group_size, -1)
+      got = stack_lib.grad_sums_by_position(call, stack_grads, weights_all,
+                                           routing.segments, jnp.float32)
+      want = kernels.segment_sum_rows(
+          stack_lib.routed_entry_grads(call, stack_grads, weights_all),
+          routing.segments, call.ctx.num_unique, round_dtype=jnp.float32,
+          backend="xla")
+      return tuple(x[None] for x in got + want) + (
+          routing.num_overflow[None],)
+
+    spec = coll._token_spec()  # pylint: disable=protected-access
+    out = jax.jit(jax.shard_map(
+        per_rank, mesh=mesh,
+        in_specs=(tuple(spec for _ in order[0]),
+                  tuple(spec for _ in order[1]),
+                  tuple(spec for _ in order[0])),
+        out_specs=jax.sharding.PartitionSpec(("r", "x"))))(
+            tuple(ids[n] for n in order[0]),
+            tuple(weights[n] for n in order[1]),
+            tuple(grads[n] for n in order[0]))
+    got_sums, got_sq, want_sums, want_sq, overflow = map(np.asarray, out)
+    self.assertGreater(int(overflow[0]), 0)
+    self.assertGreater(np.abs(want_sums).sum(), 0)
+    np.testing.assert_allclose(got_sums, want_sums, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(got_sq, want_sq, rtol=1e-5, atol=1e-6)
 
 
 class PooledDenseTest(absltest.TestCase):
