@@ -254,22 +254,23 @@ StackRouting = stack_lib.StackRouting
 
 @functools.partial(jax.tree_util.register_dataclass,
                    data_fields=["stacks"],
-                   meta_fields=["shapes", "unit_weights"])
+                   meta_fields=["shapes", "implicit_weights"])
 @dataclasses.dataclass(frozen=True)
 class Routing:
   """A looked-up batch's routing, kept for its update (one per stack).
 
   `shapes` (static) are the ids' shapes per feature, so the update knows
-  the batch layout without the batch; `unit_weights` (static) the pooled
-  features whose training entries all weigh 1 (see `_inputs`): their
-  update skips the weights. Static fields are not saved in a checkpoint;
+  the batch layout without the batch; `implicit_weights` (static) the
+  pooled features whose weights were ones or a lengths mask (see
+  `_inputs`), so that the update can skip the weights where every training
+  entry weighs 1. Static fields are not saved in a checkpoint;
   a restored routing takes them from the restore target, so build that
   target from batches of the same kind (plain ids or lengths vs per-id
   weights) as the saved run's.
   """
   stacks: dict[str, StackRouting]
   shapes: tuple[tuple[str, tuple[int, ...]], ...]
-  unit_weights: tuple[str, ...] = ()
+  implicit_weights: tuple[str, ...] = ()
 
 
 class EmbeddingCollection:
@@ -458,14 +459,13 @@ class EmbeddingCollection:
   # --- per-call checks ----------------------------------------------------------
 
   def _inputs(self, batch: Mapping[str, Any]):
-    """`(ids, weights, unit_weights)`: every feature's ids and every pooled
+    """`(ids, weights, implicit)`: every feature's ids and every pooled
     feature's combiner input weights, converted and checked (before
-    tracing), and the pooled features whose entries that train all enter
-    their bags with weight 1 (no per-id weights, and `sum` or bags of one):
-    their gradients need no product with the weights."""
+    tracing), and the pooled features whose weights are ones or a lengths
+    mask (static: `stack.FeatureCall.unit_weights` builds on it)."""
     self._check_per_feature(batch, "batch", "ids",
                             "Give every feature's ids.")
-    ids, weights, unit = {}, {}, []
+    ids, weights, implicit = {}, {}, []
     for name, spec in self.features.items():
       value = batch[name]
       bag = value if isinstance(value, Bag) else Bag(value)
@@ -478,10 +478,10 @@ class EmbeddingCollection:
                                    self.num_replicas, f"batch[{name!r}]")
       ids[name] = x
       if spec.combiner is not None:
-        weights[name], implicit = _bag_weights(spec, bag, batch, x)
-        if implicit and (spec.combiner == "sum" or x.shape[1] == 1):
-          unit.append(name)
-    return ids, weights, tuple(unit)
+        weights[name], from_mask = _bag_weights(spec, bag, batch, x)
+        if from_mask:
+          implicit.append(name)
+    return ids, weights, tuple(implicit)
 
   def _check_per_feature(self, mapping, what: str, noun: str, fix: str):
     """`mapping` is a dict with an entry for every feature."""
@@ -496,15 +496,17 @@ class EmbeddingCollection:
                        f"{sorted(map(str, mapping))}. {fix}")
 
   def _calls(self, shapes: tuple[tuple[str, tuple[int, ...]], ...],
-             unit_weights: tuple[str, ...] = ()
+             implicit_weights: tuple[str, ...] = ()
              ) -> tuple[stack_lib.StackCall, ...]:
-    """The per-stack layout of a batch with these ids shapes (cached)."""
-    key = (shapes, unit_weights)
+    """The per-stack layout of a batch with these ids shapes and implicit
+    weights (cached)."""
+    key = (shapes, implicit_weights)
     if key not in self._calls_cache:
-      self._calls_cache[key] = self._make_calls(dict(shapes), unit_weights)
+      self._calls_cache[key] = self._make_calls(dict(shapes),
+                                                implicit_weights)
     return self._calls_cache[key]
 
-  def _make_calls(self, shapes, unit_weights
+  def _make_calls(self, shapes, implicit_weights
                   ) -> tuple[stack_lib.StackCall, ...]:
     shards = self.group_size * self.num_replicas
     calls = []
@@ -519,7 +521,7 @@ class EmbeddingCollection:
             vocab_rows=table.vocab_rows, padding_id=table.padding_id,
             shape=tuple(shapes[name]), combiner=spec.combiner,
             local_examples=shapes[name][0] // shards,
-            unit_weights=name in unit_weights))
+            implicit_weights=name in implicit_weights))
         bounds[table.name] = bounds.get(table.name, 0) + math.prod(
             shapes[name])
       # Sequence features first: their ids are gathered, pooled ones pooled.
@@ -580,8 +582,8 @@ class EmbeddingCollection:
     like the sparse update, gives nothing to padding and to ids outside
     their table; `apply_gradients` is the sparse path.
     """
-    ids, weights, unit = self._inputs(batch)
-    calls = self._calls(self._shapes(ids), unit)
+    ids, weights, implicit = self._inputs(batch)
+    calls = self._calls(self._shapes(ids), implicit)
     outs = _collection_lookup(self, calls, self._tables(state),
                               self._placed(ids), self._placed_weights(weights))
     return dict(zip(self.features, outs))
@@ -590,9 +592,9 @@ class EmbeddingCollection:
                        ) -> tuple[dict[str, jax.Array], Routing]:
     """The embeddings and the routing their update needs, from one all-gather
     of the ids per stack (what the `Trainer` calls)."""
-    ids, weights, unit = self._inputs(batch)
+    ids, weights, implicit = self._inputs(batch)
     shapes = self._shapes(ids)
-    calls = self._calls(shapes, unit)
+    calls = self._calls(shapes, implicit)
     fn = functools.partial(_lookup_per_rank, self.backend,
                            self.kernel_config, self._order(), calls,
                            route=True)
@@ -604,13 +606,13 @@ class EmbeddingCollection:
     )(self._tables(state), self._placed(ids), self._placed_weights(weights))
     return (dict(zip(self.features, outs)),
             Routing(dict(zip((s.name for s in self.plan.stacks), routings)),
-                    shapes, unit))
+                    shapes, implicit))
 
   def route(self, batch) -> Routing:
     """The routing of a batch alone (its ids' all-gather and dedup)."""
-    ids, weights, unit = self._inputs(batch)
+    ids, weights, implicit = self._inputs(batch)
     shapes = self._shapes(ids)
-    calls = self._calls(shapes, unit)
+    calls = self._calls(shapes, implicit)
     fn = functools.partial(_route_per_rank, self._order(), calls)
     routings = exchange.shard(
         calls[0].ctx, fn,
@@ -618,7 +620,7 @@ class EmbeddingCollection:
         out_specs=self._routing_specs())(self._placed(ids),
                                          self._placed_weights(weights))
     return Routing(dict(zip((s.name for s in self.plan.stacks), routings)),
-                   shapes, unit)
+                   shapes, implicit)
 
   def _order(self):
     """(feature names, pooled feature names), the orders of the inputs."""
@@ -664,7 +666,7 @@ class EmbeddingCollection:
     _check_state(self, state)
     routing = (batch_or_routing if isinstance(batch_or_routing, Routing)
                else self.route(batch_or_routing))
-    calls = self._calls(routing.shapes, routing.unit_weights)
+    calls = self._calls(routing.shapes, routing.implicit_weights)
     grads = self._grads(emb_grads, dict(routing.shapes))
     specs = self._state_specs()
     fn = functools.partial(_apply_per_rank, self.backend,
@@ -703,9 +705,9 @@ class EmbeddingCollection:
     """Host-side: `{table: distinct rows one batch trains}`, counted as
     the stack's dedup counts them (ids wrapped once; padding, ids outside
     the table and weight-0 entries take no slot). Reads the ids back."""
-    ids, weights, unit = self._inputs(batch)
+    ids, weights, implicit = self._inputs(batch)
     rows = {name: [] for name in self.tables}
-    for call in self._calls(self._shapes(ids), unit):
+    for call in self._calls(self._shapes(ids), implicit):
       for f in call.features:
         keys = np.asarray(jax.device_get(stack_lib.entry_keys(
             f, ids[f.name], weights.get(f.name))))

@@ -115,8 +115,8 @@ def shard(ctx: EmbeddingContext, fn, in_specs, out_specs):
   inlined. The jitted function is cached on `fn`'s value (a
   `functools.partial` of static, hashable arguments) and the specs, so
   repeated eager calls compile once; arguments equal by value share an
-  entry, as `jit`'s static arguments do. check_vma is off: `pallas_call` does not carry varying-axis
-  types.
+  entry, as `jit`'s static arguments do. check_vma is off: `pallas_call`
+  does not carry varying-axis types.
   """
   try:
     return _jitted_shard(ctx.mesh, _Static(fn), _Static(in_specs),

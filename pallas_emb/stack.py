@@ -47,12 +47,20 @@ class FeatureCall:
   shape: tuple[int, ...]      # the global ids shape
   combiner: str | None        # None: a sequence feature
   local_examples: int         # examples (leading dim) per rank
-  # Every entry that trains enters its bag with weight 1 (no product).
-  unit_weights: bool = False
+  # Its bags' weights are ones or a lengths mask (no per-id weights).
+  implicit_weights: bool = False
 
   @property
   def pooled(self) -> bool:
     return self.combiner is not None
+
+  @property
+  def unit_weights(self) -> bool:
+    """Every entry that trains enters its bag with combiner weight exactly
+    1 (`combiner_weights`: implicit weights under `sum`, or bags of one),
+    so its gradient needs no product with the weight."""
+    return self.implicit_weights and (self.combiner == "sum"
+                                      or self.bag_len == 1)
 
   @property
   def bag_len(self) -> int:
@@ -360,7 +368,7 @@ def grad_sums_by_position(call: StackCall, grads: Sequence[jax.Array],
   routed = _routed_rows(call, grads)
   width = routed.shape[-1]
   segments = segments.reshape(w, call.entries)
-  slots = lambda s: jnp.where((s >= 0) & (s < num_unique), s, num_unique)
+  slots = lambda s: kernels.reference.kept_segments(s, num_unique)
   accum = jnp.zeros((num_unique, width), jnp.float32)
   if call.sequence:
     accum = accum.at[slots(segments[:, :call.sequence_entries]).reshape(
@@ -373,8 +381,8 @@ def grad_sums_by_position(call: StackCall, grads: Sequence[jax.Array],
     seg = segments[:, entry:entry + n * length].reshape(w, n, length)
     entry += n * length
 
-    def add(k, acc, bags=bags, seg=seg, weights=weights, unit=f.unit_weights):
-      rows = bags if unit else common.unfused_product(
+    def add(k, acc, f=f, bags=bags, seg=seg, weights=weights):
+      rows = bags if f.unit_weights else common.unfused_product(
           bags, lax.dynamic_index_in_dim(weights, k, 2, keepdims=False)[
               ..., None])
       keys = slots(lax.dynamic_index_in_dim(seg, k, 2, keepdims=False))

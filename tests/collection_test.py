@@ -327,6 +327,13 @@ class FitMaxUniqueTest(absltest.TestCase):
             "q": pe.Bag(self.rng.integers(0, 50, (16, 4)).astype(np.int32),
                         lengths=lengths)}
 
+  def model_counts(self, batch):
+    """`model_distinct_rows` of `self.batch()`: "q" is a Bag with lengths."""
+    bag = batch["q"]
+    mask = np.arange(bag.ids.shape[1]) < bag.lengths[:, None]
+    return model_distinct_rows(self.coll, dict(batch, q=bag.ids),
+                               {"q": mask})
+
   def test_distinct_rows_counts_what_trains(self):
     for seed in range(3):
       coll, _, shapes, rng, config = random_collection(200 + seed, "xla")
@@ -336,18 +343,13 @@ class FitMaxUniqueTest(absltest.TestCase):
       self.assertEqual(coll.distinct_rows(batch),
                        model_distinct_rows(coll, batch), config)
     batch = self.batch()
-    bag = batch["q"]
-    mask = (np.arange(4) < bag.lengths[:, None]).astype(np.float32)
-    want = model_distinct_rows(self.coll, dict(batch, q=bag.ids),
-                               {"q": mask})
-    self.assertEqual(self.coll.distinct_rows(batch), want)
+    self.assertEqual(self.coll.distinct_rows(batch), self.model_counts(batch))
 
   def test_fit_collection_trains_bit_identically(self):
     batches = [self.batch() for _ in range(4)]
     fit = self.coll.fit_max_unique(batches[:2], headroom=1.5)
-    most = [max(model_distinct_rows(self.coll, dict(
-        b, q=b["q"].ids), {"q": (np.arange(4) < b["q"].lengths[:, None])})[
-            name] for b in batches[:2]) for name in ("a", "b")]
+    most = [max(self.model_counts(b)[name] for b in batches[:2])
+            for name in ("a", "b")]
     self.assertEqual(
         [fit.tables[n].max_unique for n in ("a", "b")],
         [8 * int(np.ceil(1.5 * m / 8)) for m in most])
@@ -422,10 +424,13 @@ class UnitWeightsTest(absltest.TestCase):
           for _ in range(2):
             routing, grads = _grads_of_sin(coll, state, batch)
             state, _ = coll.apply_gradients(state, routing, grads)
-          states.append((state, routing.unit_weights))
+          calls = coll._calls(routing.shapes, routing.implicit_weights)  # pylint: disable=protected-access
+          states.append((state, routing.implicit_weights,
+                         [f.name for f in calls[0].pooled if f.unit_weights]))
+        self.assertEqual(states[0][1], ("s", "m", "one"))
         # A mean of more than one id weighs 1 / count: not a unit bag.
-        self.assertEqual(states[0][1], ("s", "one"))
-        self.assertEqual(states[1][1], ())
+        self.assertEqual(states[0][2], ["s", "one"])
+        self.assertEqual(states[1][1:], ((), []))
         test_util.assert_bits_equal(
             self, states[0][0].stacks["stack0"].table,
             test_util.as_numpy(states[1][0].stacks["stack0"].table))

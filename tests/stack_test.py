@@ -227,9 +227,10 @@ class GradSumsByPositionTest(absltest.TestCase):
     ids, lengths = random_bags(rng, 8, 3, 12)
     batch["bagged"] = pe.Bag(ids, lengths=lengths)
     batch["clicks_weights"][0, :] = [-1.0, 0.5, 2.0]
-    ids, weights, unit = coll._inputs(batch)  # pylint: disable=protected-access
-    self.assertEqual(unit, ("one", "bagged"))
-    calls = coll._calls(coll._shapes(ids), unit)  # pylint: disable=protected-access
+    ids, weights, implicit = coll._inputs(batch)  # pylint: disable=protected-access
+    calls = coll._calls(coll._shapes(ids), implicit)  # pylint: disable=protected-access
+    self.assertEqual([f.name for f in calls[0].pooled if f.unit_weights],
+                     ["one", "bagged"])
     order = coll._order()  # pylint: disable=protected-access
     # Every feature here gives one row per example ("item" is [B]).
     grads = {n: rng.standard_normal((8, 16)).astype(np.float32)

@@ -28,11 +28,17 @@ def segment_sum_rows(grads: jax.Array, segment_ids: jax.Array,
   out of range. The summation order differs from the kernel's, so the two
   agree to f32 rounding (exactly when no segment has two rows).
   """
-  valid = (segment_ids >= 0) & (segment_ids < num_segments)
-  keys = jnp.where(valid, segment_ids, num_segments)
-  accum = jax.ops.segment_sum(grads.astype(jnp.float32), keys,
+  accum = jax.ops.segment_sum(grads.astype(jnp.float32),
+                              kept_segments(segment_ids, num_segments),
                               num_segments=num_segments, mode="drop")
   return accum, common.row_square_sums(accum, round_dtype)
+
+
+def kept_segments(segment_ids: jax.Array, num_segments: int) -> jax.Array:
+  """Segment ids outside `[0, U)` mapped to U, which a scatter with
+  `mode="drop"` drops (a negative id would wrap)."""
+  valid = (segment_ids >= 0) & (segment_ids < num_segments)
+  return jnp.where(valid, segment_ids, num_segments)
 
 
 def sparse_update(rule, table, row_state, element_state, unique_tokens,
