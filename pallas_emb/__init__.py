@@ -1,20 +1,7 @@
-"""pallas_emb: column-sharded embedding tables for JAX recommenders."""
+"""pallas_emb: sharded embedding tables for JAX recommenders."""
 
-from pallas_emb.collection import Bag
-from pallas_emb.collection import CollectionPlan
-from pallas_emb.collection import CollectionState
 from pallas_emb.collection import EmbeddingCollection
-from pallas_emb.collection import FeatureSpec
-from pallas_emb.collection import Routing
-from pallas_emb.collection import StackPlan
-from pallas_emb.collection import StackRouting
-from pallas_emb.collection import StackState
-from pallas_emb.collection import TableSpec
-from pallas_emb.dedup import dedup
-from pallas_emb.dedup import DedupResult
-from pallas_emb.dedup import default_num_unique
 from pallas_emb.dedup import FILL_VALUE
-from pallas_emb.dedup import raise_if_overflow
 from pallas_emb.errors import CheckpointError
 from pallas_emb.errors import Error
 from pallas_emb.errors import HyperParameterError
@@ -27,13 +14,9 @@ from pallas_emb.exchange import replicated_sharding
 from pallas_emb.exchange import table_sharding
 from pallas_emb.exchange import token_sharding
 from pallas_emb.kernels import KernelConfig
-from pallas_emb.lookup import count_out_of_range
-from pallas_emb.lookup import lookup
-from pallas_emb.lookup import raise_if_out_of_range
-from pallas_emb.optim import apply_gradients
-from pallas_emb.optim import RowwiseAdagrad
-from pallas_emb.optim import RowwiseAdagradState
-from pallas_emb.optim import UpdateStats
+from pallas_emb.plan import CollectionPlan
+from pallas_emb.plan import stack_tables
+from pallas_emb.plan import StackPlan
 from pallas_emb.optimizers import Adagrad
 from pallas_emb.optimizers import AdagradState
 from pallas_emb.optimizers import Adam
@@ -42,13 +25,32 @@ from pallas_emb.optimizers import Ftrl
 from pallas_emb.optimizers import FtrlState
 from pallas_emb.optimizers import PartialRowwiseAdam
 from pallas_emb.optimizers import PartialRowwiseAdamState
+from pallas_emb.optimizers import RowwiseAdagrad
+from pallas_emb.optimizers import RowwiseAdagradState
 from pallas_emb.optimizers import Sgd
 from pallas_emb.optimizers import SgdState
 from pallas_emb.optimizers import SparseOptimizer
 from pallas_emb.pipeline import PipelineState
-from pallas_emb.ragged import pad_ragged
 from pallas_emb.pipeline import StepMetrics
 from pallas_emb.pipeline import Trainer
+from pallas_emb.ragged import pad_ragged
+from pallas_emb.single_table import apply_gradients
+from pallas_emb.single_table import count_out_of_range
+from pallas_emb.single_table import dedup
+from pallas_emb.single_table import DedupResult
+from pallas_emb.single_table import default_num_unique
+from pallas_emb.single_table import lookup
+from pallas_emb.single_table import lookup_and_dedup
+from pallas_emb.single_table import raise_if_out_of_range
+from pallas_emb.single_table import raise_if_overflow
+from pallas_emb.specs import Bag
+from pallas_emb.specs import FeatureSpec
+from pallas_emb.specs import TableSpec
+from pallas_emb.stack import StackRouting
+from pallas_emb.state import CollectionState
+from pallas_emb.state import Routing
+from pallas_emb.state import StackState
+from pallas_emb.update import UpdateStats
 from pallas_emb.validation import BACKENDS
 from pallas_emb.validation import check_single_shard_per_rank
 from pallas_emb.validation import EmbeddingContext
@@ -104,12 +106,14 @@ __all__ = [
     "dedup",
     "default_num_unique",
     "lookup",
+    "lookup_and_dedup",
     "make_context",
     "pad_ragged",
     "raise_if_out_of_range",
     "raise_if_overflow",
     "replicated_sharding",
     "single_shard_per_rank",
+    "stack_tables",
     "table_sharding",
     "token_sharding",
 ]

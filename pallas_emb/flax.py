@@ -38,7 +38,6 @@ import flax.linen as nn
 from flax import traverse_util
 from flax.linen import dtypes as flax_dtypes
 import jax
-from jax import lax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -46,13 +45,13 @@ from jax.sharding import PartitionSpec as P
 from pallas_emb import exchange
 from pallas_emb import pipeline
 from pallas_emb import validation
-from pallas_emb.collection import Bag
-from pallas_emb.collection import CollectionState
+from pallas_emb.specs import Bag
+from pallas_emb.state import CollectionState
 from pallas_emb.collection import EmbeddingCollection as Collection
-from pallas_emb.collection import StackState
-from pallas_emb.collection import default_initializer
+from pallas_emb.state import StackState
+from pallas_emb.specs import default_initializer
 from pallas_emb.errors import InputError
-from pallas_emb.lookup import lookup
+from pallas_emb.single_table import lookup_with_padding
 from pallas_emb.validation import EmbeddingContext
 
 __all__ = ["Embed", "EmbeddingCollection", "FlaxTrainer", "LOOKUPS",
@@ -192,12 +191,10 @@ class Embed(nn.Module):
       inputs = inputs.astype(jnp.int32)
     (embedding,) = self.promote_dtype(self.embedding, dtype=self.dtype,
                                       inexact=False)
-    out = lookup(self.ctx, embedding, inputs, backend=self.backend)
-    if self.padding_id is not None:
-      # Same values; the padding rows' cotangent is zero.
-      pad = (inputs == self.padding_id)[..., None]
-      out = jnp.where(pad, lax.stop_gradient(out), out)
-    return out
+    # The layer's padding id (not the context's) gets no gradient.
+    return lookup_with_padding(self.ctx, embedding, inputs,
+                               padding_id=self.padding_id,
+                               backend=self.backend)
 
   def attend(self, query: Array) -> Array:
     """`nn.Embed.attend`: inner products of the queries with every embedding.
@@ -308,6 +305,8 @@ class FlaxTrainer:
     loss: `(outputs, batch) -> (loss, aux)` or `-> loss`.
     dense_optimizer: any optax GradientTransformation for the other params.
     pipelined: the one-step-stale pipelined step (True) or synchronous.
+    check_overflow: raise when a capped table overflows (see
+      `pallas_emb.Trainer`); True by default.
 
   Checked when a step is traced: each table's layer is called exactly once
   per forward pass, every `pe_flax.Embed` the model calls is a table of the
@@ -320,7 +319,7 @@ class FlaxTrainer:
 
   def __init__(self, model: nn.Module, collection: Collection,
                loss: Callable[..., Any], dense_optimizer, *,
-               pipelined: bool = True):
+               pipelined: bool = True, check_overflow: bool = True):
     if not isinstance(collection, Collection):
       raise InputError(
           f"pallas_emb FlaxTrainer collection is a "
@@ -333,7 +332,8 @@ class FlaxTrainer:
     for feature in collection.features.values():
       self._table_features.setdefault(feature.table, []).append(feature.name)
     self.trainer = pipeline.Trainer(collection, self._loss_fn,
-                                    dense_optimizer, pipelined=pipelined)
+                                    dense_optimizer, pipelined=pipelined,
+                                    check_overflow=check_overflow)
     # Where the tables live: the path of the EmbeddingCollection module, or
     # None for Embed layers; found from the params (split) or the model.
     self._home = _UNKNOWN

@@ -26,11 +26,11 @@ import numpy as np
 
 from pallas_emb import exchange
 from pallas_emb import validation
-from pallas_emb.collection import CollectionState
+from pallas_emb.state import CollectionState
 from pallas_emb.collection import EmbeddingCollection as Collection
-from pallas_emb.collection import StackState
+from pallas_emb.state import StackState
 from pallas_emb.errors import InputError
-from pallas_emb.lookup import lookup
+from pallas_emb.single_table import lookup_with_padding
 from pallas_emb.validation import EmbeddingContext
 
 __all__ = ["Embed", "EmbeddingCollection", "shard_params"]
@@ -131,12 +131,10 @@ class Embed(hk.Module):
           "the ids with ids.astype(jnp.int32).")
     if ids.dtype != jnp.int32:
       ids = ids.astype(jnp.int32)
-    out = lookup(self.ctx, self.embeddings, ids, backend=self.backend)
-    if self.padding_id is not None:
-      # Same values; the padding rows' cotangent is zero.
-      pad = (ids == self.padding_id)[..., None]
-      out = jnp.where(pad, jax.lax.stop_gradient(out), out)
-    return out
+    # The layer's padding id (not the context's) gets no gradient.
+    return lookup_with_padding(self.ctx, self.embeddings, ids,
+                               padding_id=self.padding_id,
+                               backend=self.backend)
 
 
 class EmbeddingCollection(hk.Module):

@@ -23,9 +23,9 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from pallas_emb import exchange
-from pallas_emb.collection import CollectionState
+from pallas_emb.state import CollectionState
 from pallas_emb.collection import EmbeddingCollection
-from pallas_emb.collection import Routing
+from pallas_emb.state import Routing
 from pallas_emb.errors import PipelineMisuse
 
 LossFn = Callable[[Any, Mapping[str, jax.Array], Mapping[str, Any]],
@@ -73,11 +73,17 @@ class Trainer:
       `embeddings` is `{feature: array}` as `collection.lookup` returns.
     dense_optimizer: any optax GradientTransformation for dense_params.
     pipelined: one-step-stale pipelined step (True) or synchronous (False).
+    check_overflow: raise when a table's batch had more distinct rows than
+      its `TableSpec.max_unique` (whose gradients were then not applied):
+      the step's result fails to materialize with the collection's
+      `UniqueOverflowError` message. False: read the stats yourself with
+      `collection.raise_if_overflow(metrics.updates)`.
   """
   collection: EmbeddingCollection
   loss_fn: LossFn
   dense_optimizer: Any
   pipelined: bool = True
+  check_overflow: bool = True
 
   # --- pieces ---------------------------------------------------------------
 
@@ -88,6 +94,15 @@ class Trainer:
                                                      params)
     params = jax.tree.map(lambda p, u: p + u.astype(p.dtype), params, updates)
     return loss, aux, params, opt_state, emb_grads
+
+  def _checked(self, stats):
+    """Raises (through a host callback) if an update overflowed a cap; only
+    collections with a capped table can overflow, so only they pay for it."""
+    capped = any(t.max_unique is not None
+                 for t in self.collection.tables.values())
+    if self.check_overflow and capped:
+      jax.debug.callback(self.collection.raise_if_overflow, stats)
+    return stats
 
   def _replicated(self, value) -> jax.Array:
     return jax.device_put(jnp.asarray(value),
@@ -134,7 +149,7 @@ class Trainer:
       embedding, stats = coll.apply_gradients(state.embedding, routing,
                                               emb_grads)
       return (PipelineState(embedding, params, dense_opt, None, None),
-              StepMetrics(loss, aux, stats))
+              StepMetrics(loss, aux, self._checked(stats)))
 
     # (a) apply the update staged in step t-1 while the dense model runs on
     # the embeddings prefetched in step t-1: independent, so XLA overlaps them.
@@ -154,7 +169,7 @@ class Trainer:
                  for k, g in emb_grads.items()}
     staged = Staged(emb_grads, state.prefetched.routing, jnp.asarray(True))
     return (PipelineState(embedding, params, dense_opt, prefetched, staged),
-            StepMetrics(loss, aux, stats))
+            StepMetrics(loss, aux, self._checked(stats)))
 
   def flush(self, state: PipelineState) -> tuple[PipelineState, dict]:
     """Applies the last staged update (end of training, before eval/saving)."""
@@ -165,6 +180,7 @@ class Trainer:
     embedding, stats = self.collection.apply_gradients(
         state.embedding, staged.routing, staged.emb_grads,
         pending=staged.pending)
+    stats = self._checked(stats)
     return (state._replace(embedding=embedding, staged=staged._replace(
         pending=jnp.zeros_like(staged.pending))), stats)
 

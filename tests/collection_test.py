@@ -98,8 +98,7 @@ class CollectionModel:
       g = np.concatenate([np.asarray(grads[f], np.float32).reshape(
           -1, model.table.shape[1]) for f in feats])
       model.step(ids, g, ids.size + 1,
-                 padding_id=self.coll.tables[name].padding_id,
-                 padding_slot=False)
+                 padding_id=self.coll.tables[name].padding_id)
 
 
 def _model_kw(kw):
@@ -257,7 +256,7 @@ class StackingTest(absltest.TestCase):
     _, stats = coll.apply_gradients(state, batch, grads)
     self.assertEqual(int(stats["stack0"].num_overflow), 5)
     with self.assertRaisesRegex(pe.UniqueOverflowError,
-                                r"stack0 \(tables \['t'\]\) had 5 more "
+                                r"stack0: tables \['t'\] had 5 more "
                                 "distinct ids"):
       coll.raise_if_overflow(stats)
     _, stats = coll.apply_gradients(state, {"f": np.ones(8, np.int32)}, grads)
@@ -353,8 +352,7 @@ class FitMaxUniqueTest(absltest.TestCase):
     self.assertEqual(
         [fit.tables[n].max_unique for n in ("a", "b")],
         [8 * int(np.ceil(1.5 * m / 8)) for m in most])
-    shapes = lambda c: [k.ctx.num_unique for k in c._calls(  # pylint: disable=protected-access
-        c._shapes(c._inputs(batches[0])[0]))]  # pylint: disable=protected-access
+    shapes = lambda c: [k.ctx.num_unique for k in c.layouts(batches[0])]
     self.assertLess(shapes(fit)[0], shapes(self.coll)[0])
 
     def train(coll, state):
@@ -424,9 +422,10 @@ class UnitWeightsTest(absltest.TestCase):
           for _ in range(2):
             routing, grads = _grads_of_sin(coll, state, batch)
             state, _ = coll.apply_gradients(state, routing, grads)
-          calls = coll._calls(routing.shapes, routing.implicit_weights)  # pylint: disable=protected-access
+          layouts = coll.layouts(routing)
           states.append((state, routing.implicit_weights,
-                         [f.name for f in calls[0].pooled if f.unit_weights]))
+                         [f.name for f in layouts[0].pooled
+                          if f.unit_weights]))
         self.assertEqual(states[0][1], ("s", "m", "one"))
         # A mean of more than one id weighs 1 / count: not a unit bag.
         self.assertEqual(states[0][2], ["s", "one"])

@@ -17,19 +17,17 @@ def rnd(x, dtype):
   return np.asarray(x, np.float32).astype(dtype).astype(np.float32)
 
 
-def dedup(ids, num_unique, vocab_rows, padding_id=0, padding_slot=True):
+def dedup(ids, num_unique, vocab_rows, padding_id=0):
   """Sorted unique rows padded with FILL, and segment ids.
 
   Every id is wrapped exactly once (negative: += vocab_rows); ids still
   outside the table take no slot and get segment -1, as does the padding
-  id, which keeps its slot when `padding_slot` (the single-table dedup, as
-  the reference) and takes none otherwise (the collection: padding changes
-  nothing, not even the decay of its row's state).
+  id (padding changes nothing, not even the decay of its row's state).
   """
   raw = np.asarray(ids).reshape(-1).astype(np.int64)
   flat = np.where(raw < 0, raw + vocab_rows, raw)
   valid = (flat >= 0) & (flat < vocab_rows)
-  if padding_id is not None and not padding_slot:
+  if padding_id is not None:
     valid &= raw != padding_id
   uniq = np.unique(flat[valid])
   table = np.full(num_unique, FILL, np.int64)
@@ -59,11 +57,10 @@ class Adagrad:
     self.wd_factor = math.exp(-weight_decay)
     self.wd_rate = weight_decay
 
-  def step(self, ids, grads, num_unique, pending=True, padding_id=0,
-           padding_slot=True):
+  def step(self, ids, grads, num_unique, pending=True, padding_id=0):
     """Returns (norm, valid). grads: [num_tokens, width] (any float)."""
     vocab, width = self.table.shape
-    uniq, segs, _ = dedup(ids, num_unique, vocab, padding_id, padding_slot)
+    uniq, segs, _ = dedup(ids, num_unique, vocab, padding_id)
     segs = segs.reshape(-1)
     grads = np.asarray(grads, np.float32).reshape(segs.size, width)
     accum = np.zeros((num_unique, width), np.float32)
@@ -131,11 +128,10 @@ class SparseModel:
     shape = self.table.shape[:1] if rowwise else self.table.shape
     return np.full(shape, value, F32)
 
-  def step(self, ids, grads, num_unique, pending=True, padding_id=0,
-           padding_slot=True):
+  def step(self, ids, grads, num_unique, pending=True, padding_id=0):
     """Returns (norm, valid). grads: [num_tokens, width] (any float)."""
     vocab, width = self.table.shape
-    uniq, segs, _ = dedup(ids, num_unique, vocab, padding_id, padding_slot)
+    uniq, segs, _ = dedup(ids, num_unique, vocab, padding_id)
     segs = segs.reshape(-1)
     grads = np.asarray(grads, F32).reshape(segs.size, width)
     accum = np.zeros((num_unique, width), F32)

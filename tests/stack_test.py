@@ -23,7 +23,8 @@ import numpy as np
 import collection_test
 import numpy_model
 import pallas_emb as pe
-from pallas_emb import collection as collection_lib
+from pallas_emb import inputs as inputs_lib
+from pallas_emb import per_rank as per_rank_lib
 from pallas_emb import kernels
 from pallas_emb import stack as stack_lib
 from pallas_emb.testing import hlo
@@ -146,8 +147,7 @@ class PooledModel:
             -1, g.shape[-1]))
       model.step(np.concatenate(all_ids), np.concatenate(all_grads),
                  sum(a.size for a in all_ids) + 1,
-                 padding_id=self.coll.tables[table].padding_id,
-                 padding_slot=False)
+                 padding_id=self.coll.tables[table].padding_id)
 
 
 def _model_kw():
@@ -227,17 +227,19 @@ class GradSumsByPositionTest(absltest.TestCase):
     ids, lengths = random_bags(rng, 8, 3, 12)
     batch["bagged"] = pe.Bag(ids, lengths=lengths)
     batch["clicks_weights"][0, :] = [-1.0, 0.5, 2.0]
-    ids, weights, implicit = coll._inputs(batch)  # pylint: disable=protected-access
-    calls = coll._calls(coll._shapes(ids), implicit)  # pylint: disable=protected-access
+    inputs = inputs_lib.read_batch(coll, batch)
+    ids, weights = inputs.ids, inputs.weights
+    calls = coll.layouts(batch)
     self.assertEqual([f.name for f in calls[0].pooled if f.unit_weights],
                      ["one", "bagged"])
-    order = coll._order()  # pylint: disable=protected-access
+    order = (tuple(coll.features),
+             tuple(n for n, f in coll.features.items() if f.combiner))
     # Every feature here gives one row per example ("item" is [B]).
     grads = {n: rng.standard_normal((8, 16)).astype(np.float32)
              for n in coll.features}
 
     def per_rank(all_ids, all_weights, all_grads):
-      (call, stack_ids, stack_weights), = collection_lib._per_stack(  # pylint: disable=protected-access
+      (call, stack_ids, stack_weights), = per_rank_lib.per_stack(
           order, calls, all_ids, all_weights)
       by_name = dict(zip(order[0], all_grads))
       stack_grads = [by_name[f.name] for f in call.features]
@@ -246,7 +248,8 @@ class GradSumsByPositionTest(absltest.TestCase):
       routing = stack_lib.route(call, keys_all, weights_all)
       weights_all = routing.weights.reshape(call.ctx.group_size, -1)
       got = stack_lib.grad_sums_by_position(call, stack_grads, weights_all,
-                                           routing.segments, jnp.float32)
+                                           routing.segments,
+                                           call.ctx.num_unique, jnp.float32)
       want = kernels.segment_sum_rows(
           stack_lib.routed_entry_grads(call, stack_grads, weights_all),
           routing.segments, call.ctx.num_unique, round_dtype=jnp.float32,
@@ -254,7 +257,7 @@ class GradSumsByPositionTest(absltest.TestCase):
       return tuple(x[None] for x in got + want) + (
           routing.num_overflow[None],)
 
-    spec = coll._token_spec()  # pylint: disable=protected-access
+    spec = coll.token_sharding().spec
     out = jax.jit(jax.shard_map(
         per_rank, mesh=mesh,
         in_specs=(tuple(spec for _ in order[0]),

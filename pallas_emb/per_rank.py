@@ -1,0 +1,124 @@
+"""The collection's per-rank code: every stack of a batch, in plan order.
+
+These functions run inside the collection's `shard_map`; each loops over
+the stacks' static layouts and calls the stack dataflow (`stack.py`) once
+per stack. The inputs arrive in collection order (features as declared,
+pooled features' weights after them) and are regrouped per stack here.
+`collection_lookup` is the differentiable lookup (dense cotangents).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from pallas_emb import exchange
+from pallas_emb import stack
+from pallas_emb.state import StackState
+
+def per_stack(coll_order, layouts, all_ids, all_weights):
+  """Per stack (in plan order): `(layout, its features' ids, the combiner
+  weights of its pooled features)`, from the collection-ordered inputs."""
+  order, pooled_order = coll_order
+  ids_by = dict(zip(order, all_ids))
+  weights_by = dict(zip(pooled_order, all_weights))
+  for layout in layouts:
+    ids = [ids_by[f.name] for f in layout.features]
+    weights = [stack.combiner_weights(f, ids_by[f.name],
+                                          weights_by[f.name])
+               for f in layout.pooled]
+    yield layout, ids, weights
+
+
+def lookup_per_rank(backend, kernel_config, coll_order, layouts, tables,
+                     all_ids, all_weights, route):
+  """Embeddings of every feature (collection order) [+ each stack's routing]."""
+  outs, routings = {}, []
+  for (layout, ids, weights), table in zip(
+      per_stack(coll_order, layouts, all_ids, all_weights), tables):
+    keys_all, weights_all = stack.gather_entries(layout, ids, weights)
+    if route:
+      embs, routing = stack.serve_and_route(
+          layout, backend, table, keys_all, weights_all, kernel_config)
+      routings.append(routing)
+    else:
+      embs = stack.serve(layout, backend, table, keys_all, weights_all,
+                             kernel_config)
+    outs.update(zip((f.name for f in layout.features), embs))
+  embeddings = tuple(outs[name] for name in coll_order[0])
+  return (embeddings, tuple(routings)) if route else embeddings
+
+
+def route_per_rank(coll_order, layouts, all_ids, all_weights):
+  return tuple(
+      stack.route(layout, *stack.gather_entries(layout, ids, weights))
+      for layout, ids, weights in per_stack(coll_order, layouts, all_ids,
+                                           all_weights))
+
+
+def _by_stack(order, layouts, values):
+  """Per-feature values (in collection order) grouped per stack."""
+  by_name = dict(zip(order, values))
+  return [[by_name[f.name] for f in layout.features] for layout in layouts]
+
+
+def apply_per_rank(backend, kernel_config, order, layouts, states, routings,
+                    all_grads, pending):
+  new_states, stats = [], []
+  for layout, state, routing, grads in zip(
+      layouts, states, routings, _by_stack(order, layouts, all_grads)):
+    table, opt_state, stack_stats = stack.update(
+        layout, backend, state.table, state.opt_state, routing, grads, pending,
+        kernel_config)
+    new_states.append(StackState(table, opt_state))
+    stats.append(stack_stats)
+  return tuple(new_states), tuple(stats)
+
+
+def _dense_grads_per_rank(coll_order, layouts, tables, all_ids, all_weights,
+                          all_cotangents):
+  """The dense scatter-add cotangent of every stack table."""
+  cts = _by_stack(coll_order[0], layouts, all_cotangents)
+  return tuple(
+      stack.dense_grad(layout, table,
+                           *stack.gather_entries(layout, ids, weights),
+                           stack_cts)
+      for (layout, ids, weights), table, stack_cts in zip(
+          per_stack(coll_order, layouts, all_ids, all_weights), tables, cts))
+
+
+# --- the differentiable lookup ----------------------------------------------------
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def collection_lookup(coll, layouts, tables, all_ids, all_weights):
+  fn = functools.partial(lookup_per_rank, coll.backend, coll.kernel_config,
+                         coll._order(), layouts, route=False)
+  return exchange.shard(
+      layouts[0].ctx, fn,
+      in_specs=(coll._table_specs(), coll._feature_specs(),
+                coll._pooled_specs()),
+      out_specs=coll._feature_specs())(tables, all_ids, all_weights)
+
+
+def collection_lookup_fwd(coll, layouts, tables, all_ids, all_weights):
+  return (collection_lookup(coll, layouts, tables, all_ids, all_weights),
+          (tables, all_ids, all_weights))
+
+
+def collection_lookup_bwd(coll, layouts, residuals, cotangents):
+  tables, all_ids, all_weights = residuals
+  fn = functools.partial(_dense_grads_per_rank, coll._order(), layouts)
+  table_cts = exchange.shard(
+      layouts[0].ctx, fn,
+      in_specs=(coll._table_specs(), coll._feature_specs(),
+                coll._pooled_specs(), coll._feature_specs()),
+      out_specs=coll._table_specs())(tables, all_ids, all_weights,
+                                     tuple(cotangents))
+  # No cotangent for the ids; the weights' would need the table (unused).
+  return table_cts, None, jax.tree.map(jnp.zeros_like, all_weights)
+
+
+collection_lookup.defvjp(collection_lookup_fwd, collection_lookup_bwd)

@@ -1,0 +1,154 @@
+"""What a collection is made of: tables, features and pooled bags.
+
+    tables = [pe.TableSpec("items", 10_000_000, 64, optimizer=opt),
+              pe.TableSpec("genre", 32, 16, optimizer=opt)]
+    features = [pe.FeatureSpec("item_id", table="items"),     # [B]    -> [B, D]
+                pe.FeatureSpec("history", table="items"),     # [B, L] -> [B, L, D]
+                pe.FeatureSpec("genres", table="genre", combiner="mean")]
+
+Plain frozen dataclasses, checked on construction (before anything is
+traced); `pallas_emb.plan` groups the tables into stacks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_emb import validation
+from pallas_emb.errors import InputError
+
+Initializer = Callable[..., jax.Array]
+
+# flax.linen.Embed's default: variance_scaling(1.0, "fan_in", "normal",
+# out_axis=0), i.e. N(0, 1 / emb_width) rows.
+default_initializer = jax.nn.initializers.variance_scaling(
+    1.0, "fan_in", "normal", out_axis=0)
+
+COMBINERS = ("sum", "mean", "sqrtn")
+MAX_INT32 = np.iinfo(np.int32).max
+
+
+def _name_ok(name) -> bool:
+  return isinstance(name, str) and bool(name)
+
+
+@dataclasses.dataclass(frozen=True)
+class TableSpec:
+  """One logical embedding table `[vocab_rows, emb_width]`.
+
+  Attributes:
+    name: unique name; features refer to it, checkpoints store it.
+    vocab_rows: rows (ids `[-vocab_rows, vocab_rows)` are wrapped once,
+      then clamped into the table).
+    emb_width: columns; must divide evenly over the communicator.
+    optimizer: the sparse optimizer of its rows (e.g. `pe.RowwiseAdagrad`);
+      None for a table that is only looked up (`apply_gradients` refuses it).
+    dtype: float32 or bfloat16.
+    initializer: `(key, shape, dtype) -> array`; default nn.Embed's.
+    padding_id: an id that is looked up but never trains (None: none).
+    max_unique: cap on the distinct rows of one batch this table may use in
+      its stack's unique buffer (default: never overflows); a batch over
+      the cap raises `UniqueOverflowError` when its stats are checked.
+      `EmbeddingCollection.fit_max_unique` sets it from sample batches.
+  """
+  name: str
+  vocab_rows: int
+  emb_width: int
+  _: dataclasses.KW_ONLY
+  optimizer: Any
+  dtype: Any = jnp.float32
+  initializer: Initializer = default_initializer
+  padding_id: int | None = None
+  max_unique: int | None = None
+
+  def __post_init__(self):
+    if not _name_ok(self.name):
+      raise InputError(f"pallas_emb TableSpec name={self.name!r} must be a "
+                       "non-empty string.")
+    what = f"TableSpec {self.name!r}"
+    for field in ("vocab_rows", "emb_width"):
+      validation.check_positive(f"{what} {field}", getattr(self, field))
+    if self.vocab_rows > MAX_INT32:
+      raise InputError(
+          f"pallas_emb {what} vocab_rows={self.vocab_rows} exceeds int32 "
+          "ids; split the table or hash ids into a smaller range.")
+    try:
+      dtype = np.dtype(self.dtype)
+    except TypeError as e:
+      raise InputError(f"pallas_emb {what} dtype={self.dtype!r} is not a "
+                       "dtype; use jnp.float32 or jnp.bfloat16.") from e
+    if dtype.name not in validation.TABLE_DTYPES:
+      raise InputError(f"pallas_emb {what} dtype={dtype.name}; expected one "
+                       f"of {validation.TABLE_DTYPES}.")
+    object.__setattr__(self, "dtype", dtype)
+    if self.optimizer is not None and not hasattr(self.optimizer,
+                                                  "update_rows"):
+      raise InputError(
+          f"pallas_emb {what} optimizer={self.optimizer!r} is not a sparse "
+          "optimizer; pass one such as pallas_emb.RowwiseAdagrad(0.05), or "
+          "None for a table that is only looked up.")
+    if not callable(self.initializer):
+      raise InputError(f"pallas_emb {what} initializer must be callable "
+                       "(key, shape, dtype) -> array.")
+    validation.check_padding_id(self.padding_id)
+    if self.max_unique is not None:
+      validation.check_positive(f"{what} max_unique", self.max_unique)
+
+  @property
+  def stack_key(self):
+    """Tables with equal keys share one physical array."""
+    return (self.emb_width, self.dtype.name, self.optimizer)
+
+
+@dataclasses.dataclass(frozen=True)
+class FeatureSpec:
+  """One sparse input feature read from `batch[name]`.
+
+  Attributes:
+    name: the batch key of its ids and the key of its embeddings.
+    table: the name of the table its ids index.
+    combiner: None for a sequence feature (ids of any shape `[B, ...]` give
+      `[B, ..., D]`); "sum", "mean" or "sqrtn" pools a bag `[B, L]` into
+      `[B, D]`.
+    weighted: a pooled feature whose per-id weights are required (from
+      `batch[name + "_weights"]` or a `pe.Bag`); any pooled feature may be
+      given weights, e.g. the 0/1 padding mask of `pe.pad_ragged`.
+  """
+  name: str
+  table: str
+  _: dataclasses.KW_ONLY
+  combiner: str | None = None
+  weighted: bool = False
+
+  def __post_init__(self):
+    if not _name_ok(self.name):
+      raise InputError(f"pallas_emb FeatureSpec name={self.name!r} must be "
+                       "a non-empty string.")
+    if not _name_ok(self.table):
+      raise InputError(f"pallas_emb FeatureSpec {self.name!r} table="
+                       f"{self.table!r} must name a TableSpec.")
+    if self.combiner is not None and self.combiner not in COMBINERS:
+      raise InputError(
+          f"pallas_emb FeatureSpec {self.name!r} combiner={self.combiner!r}; "
+          f"expected None (a sequence feature) or one of {COMBINERS}.")
+    if self.weighted and self.combiner is None:
+      raise InputError(f"pallas_emb FeatureSpec {self.name!r} weighted=True "
+                       "needs a combiner ('sum', 'mean' or 'sqrtn').")
+
+
+class Bag(NamedTuple):
+  """The ids `[B, L]` of a pooled feature, with what marks the real ones.
+
+  weights: f32 `[B, L]` per-id weights (a weighted feature); 0 = padding.
+  lengths: int `[B]` valid ids per example (the first `lengths[b]`).
+  Without either, the table's padding id (if any) marks the padding.
+  """
+  ids: Any
+  weights: Any = None
+  lengths: Any = None
+

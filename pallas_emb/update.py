@@ -1,0 +1,95 @@
+"""The fused sparse update of one stack on one rank.
+
+Once a stack's gradients are routed to the ranks that hold their columns,
+`update_from_routed` sums them per unique row (`update_from_sums` takes
+sums already made), checks that the step is finite, and has the stack's
+sparse optimizer (`pallas_emb.optimizers`) update only those rows of the
+table and of its state, in place.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+from pallas_emb import exchange
+from pallas_emb import kernels
+from pallas_emb.kernels import common
+from pallas_emb.validation import EmbeddingContext
+
+
+class UpdateStats(NamedTuple):
+  """norm: f32 full-width gradient norm of the batch.
+
+  valid: int32, 1 if the update was applied (finite norm and pending).
+  pending: int32, the pending flag that came in.
+  num_overflow: int32, distinct ids that did not fit in num_unique (their
+    gradients were not applied; `raise_if_overflow` turns it into an error).
+  """
+  norm: jax.Array
+  valid: jax.Array
+  pending: jax.Array
+  num_overflow: jax.Array
+
+
+UPDATE_STATS_SPEC = UpdateStats(P(), P(), P(), P())
+
+
+def _ordered_sum(x: jax.Array, axes) -> jax.Array:
+  """A psum whose f32 summation order is fixed (rank order).
+
+  An all-reduce's order depends on the collective implementation (in-process,
+  gloo, NCCL), so a psum can differ by an ulp between a 1-process and a
+  multi-process run; gathering and summing locally gives the same bits
+  everywhere, for a payload of only `[ranks, num_unique (+1)]` floats.
+  """
+  return jnp.sum(lax.all_gather(x, exchange.axis_name(axes), axis=0), axis=0)
+
+
+def update_from_routed(ctx: EmbeddingContext, opt, backend: str, table,
+                       opt_state, routed, segments, unique_tokens, pending,
+                       num_overflow, kernel_config=None):
+  """The update on one rank, once the gradients are routed.
+
+  `routed` `[N, S]` holds this rank's columns of the gradient of every token
+  of the communicator, `segments` `[N]` each token's unique slot (-1: none).
+  """
+  grad_accum, row_sq = kernels.segment_sum_rows(
+      routed, segments, unique_tokens.shape[0], round_dtype=table.dtype,
+      backend=backend,
+      config=kernel_config.segment_sum if kernel_config else None)
+  return update_from_sums(ctx, opt, backend, table, opt_state, grad_accum,
+                          row_sq, unique_tokens, pending, num_overflow,
+                          kernel_config)
+
+
+def update_from_sums(ctx: EmbeddingContext, opt, backend: str, table,
+                     opt_state, grad_accum, row_sq, unique_tokens, pending,
+                     num_overflow, kernel_config=None):
+  """The update on one rank from this rank's segment sums.
+
+  `grad_accum` f32 `[U, S]` and `row_sq` `[U + 1]` as
+  `kernels.segment_sum_rows` returns them for this rank's tokens. The
+  row norms are summed over the communicator (full width); the step is
+  applied only where the gradient norm is finite and `pending` is true.
+  """
+  num_unique = unique_tokens.shape[0]
+  if ctx.replica_axis:
+    # Every replica applies the same update: sum all replicas' rows first.
+    grad_accum = _ordered_sum(grad_accum, ctx.replica_axis)
+    row_sq = common.row_square_sums(grad_accum, table.dtype)
+  if ctx.group_size > 1:
+    row_sq = _ordered_sum(row_sq, ctx.table_axis)
+  norm = jnp.sqrt(row_sq[num_unique])
+  apply = jnp.isfinite(norm) & pending
+  table, opt_state = opt.update_rows(
+      table, opt_state, unique_tokens, grad_accum, row_sq[:num_unique],
+      apply, emb_width=ctx.emb_width, backend=backend,
+      config=kernel_config.update if kernel_config else None)
+  stats = UpdateStats(norm, apply.astype(jnp.int32),
+                      pending.astype(jnp.int32), num_overflow)
+  return table, opt_state, stats
