@@ -37,11 +37,18 @@ def model_lookup(table: np.ndarray, ids: np.ndarray) -> np.ndarray:
   return table[np.clip(rows, 0, table.shape[0] - 1)]
 
 
-def model_table_grad(table, ids, cotangent):
-  rows = np.clip(np.where(ids < 0, ids + table.shape[0], ids), 0,
-                 table.shape[0] - 1)
+def model_table_grad(table, ids, cotangent, padding_id=0):
+  """The dense cotangent: a scatter-add over the ids that train (wrapped
+  once and inside the table; the padding id gets nothing), as the sparse
+  update trains them."""
+  ids = ids.reshape(-1).astype(np.int64)
+  rows = np.where(ids < 0, ids + table.shape[0], ids)
+  trains = (rows >= 0) & (rows < table.shape[0])
+  if padding_id is not None:
+    trains &= ids != padding_id
   grad = np.zeros(table.shape, np.float64)
-  np.add.at(grad, rows.reshape(-1), cotangent.reshape(-1, table.shape[1]))
+  np.add.at(grad, rows[trains],
+            cotangent.reshape(-1, table.shape[1])[trains])
   return grad
 
 
