@@ -1115,5 +1115,29 @@ class ShadowingTest(absltest.TestCase):
                   result.stderr)
 
 
+
+class WideIdsTest(absltest.TestCase):
+  """uint32 ids past int32 are never wrapped onto another row."""
+
+  def test_uint32_ids(self):
+    ctx = make_ctx("8ranks", (8,))
+    values = np.array([2**32 - 2, 2**31 + 5, 2**31, 2**31 - 1, 5, 0, 63, 1],
+                      np.uint32)
+    layer = pe_flax.Embed(VOCAB, ctx.emb_width, ctx, backend="xla")
+    variables = layer.init(jax.random.key(0), np.zeros(8, np.int32))
+    table = np.asarray(variables["params"]["embedding"].value)
+    ids = jax.device_put(jnp.asarray(values), pe.token_sharding(ctx))
+    # Traced: past int32 is past the table, clamped onto the last row; a
+    # cast would wrap 2**32 - 2 onto row VOCAB - 2.
+    out = jax.jit(layer.apply)(variables, ids)
+    rows = np.minimum(values.astype(np.int64), VOCAB - 1)
+    test_util.assert_bits_equal(self, out, table[rows])
+    # Concrete: checked before tracing.
+    with self.assertRaisesRegex(pe.InputError, "^pallas_emb flax.Embed ids "
+                                r"holds ids in \[0, 4294967294\], outside "
+                                "int32"):
+      layer.apply(variables, ids)
+
+
 if __name__ == "__main__":
   absltest.main()
