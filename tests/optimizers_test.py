@@ -424,7 +424,7 @@ class ScalarGuardTest(parameterized.TestCase):
   CASES = [(name, bad) for bad in (float("nan"), float("inf"))
            for name in _scheduled(0.0)] + [("ftrl", 0.0)]
 
-  def _two_steps(self, name, bad):
+  def _two_steps(self, name, bad, backend=None):
     ctx = pe.make_context(test_util.mesh({"x": 2}), "x", tokens_per_batch=4,
                           emb_width=4, num_unique=5)
     opt = _scheduled(bad)[name]
@@ -438,17 +438,27 @@ class ScalarGuardTest(parameterized.TestCase):
     state0 = opt.init(ctx, table)
     # Step 0: a finite learning rate trains the rows.
     table1, state1, stats1 = pe.apply_gradients(ctx, opt, table, state0,
-                                                grads, dd)
+                                                grads, dd, backend=backend)
     # Step 1: the schedule's bad value.
     table2, state2, stats2 = pe.apply_gradients(ctx, opt, table1, state1,
-                                                grads, dd)
+                                                grads, dd, backend=backend)
     return (table, state0, stats1), (table1, state1), (table2, state2,
                                                       stats2)
 
   @parameterized.parameters(*CASES)
   def test_nothing_changes(self, name, bad):
+    self._check_nothing_changes(name, bad)
+
+  @parameterized.product(
+      case=(("adam", float("nan")), ("rowwise_adagrad_lazy", float("inf")),
+            ("ftrl", 0.0)),
+      backend=test_util.backends())
+  def test_every_backend(self, case, backend):
+    self._check_nothing_changes(*case, backend=backend)
+
+  def _check_nothing_changes(self, name, bad, backend=None):
     (table, _, stats1), (table1, state1), (table2, state2, _) = (
-        self._two_steps(name, bad))
+        self._two_steps(name, bad, backend))
     self.assertEqual(int(stats1.valid), 1)
     self.assertEqual(int(state1.step), 1)
     self.assertFalse(np.array_equal(np.asarray(table1), np.asarray(table)))
