@@ -173,13 +173,17 @@ class Embed(nn.Module):
 
   def __call__(self, inputs: Array) -> Array:
     """`inputs.shape + (features,)` embeddings, sharded like the ids."""
-    inputs = jnp.asarray(inputs)
+    if not hasattr(inputs, "dtype"):
+      inputs = jnp.asarray(inputs)
+    # numpy ids stay on the host until as_ids: jnp.asarray would wrap int64
+    # ids past int32 silently.
     if not jnp.issubdtype(inputs.dtype, jnp.integer):
       # nn.Embed's sentence (a ValueError too), then what and how.
       raise InputError(
           "Input type must be an integer or unsigned integer; "
-          f"pallas_emb.flax.Embed got ids of dtype {inputs.dtype}. Cast them "
-          "with ids.astype(jnp.int32).")
+          "pallas_emb.flax.Embed got ids of dtype "
+          f"{jax.dtypes.canonicalize_dtype(inputs.dtype)}. Cast them with "
+          "ids.astype(jnp.int32).")
     supplied = _supplied(self)
     if supplied is not None:
       self.sow(CALLS, "padding_id", self.padding_id)

@@ -124,12 +124,16 @@ class Embed(hk.Module):
 
   def __call__(self, ids: Array | Sequence[int]) -> Array:
     """Looks up `ids.shape + (embed_dim,)` embeddings, sharded like the ids."""
-    ids = jnp.asarray(ids)
+    if not hasattr(ids, "dtype"):
+      ids = jnp.asarray(ids)
+    # numpy ids go to as_ids as they are, to be range-checked there (with
+    # x64 off, jnp.asarray wraps an int64 id past int32).
     if not jnp.issubdtype(ids.dtype, jnp.integer):
       # hk.Embed's sentence (a ValueError too), then how to fix it.
       raise InputError(
           "pallas_emb.haiku.Embed's __call__ method must take an array of "
-          f"integer dtype but was called with an array of {ids.dtype}; cast "
+          "integer dtype but was called with an array of "
+          f"{jax.dtypes.canonicalize_dtype(ids.dtype)}; cast "
           "the ids with ids.astype(jnp.int32).")
     ids = validation.as_ids(ids, "haiku.Embed ids")
     out = lookup(self.ctx, self.embeddings, ids, backend=self.backend)

@@ -10,6 +10,7 @@ import test_util  # pylint: disable=g-bad-import-order  (8 CPU devices first)
 
 import functools
 import os
+import re
 import subprocess
 import sys
 
@@ -484,6 +485,20 @@ class WideIdsTest(absltest.TestCase):
                                 r"holds ids in \[0, 4294967294\], outside "
                                 "int32"):
       f.apply(params, ids)
+
+  def test_numpy_int64_ids(self):
+    ctx = make_ctx("8ranks", (8,))
+    ids = np.array([2**32 + 3, 0, 1, 2, 3, 4, 5, 6], np.int64)
+    f = transform(
+        lambda i: pe_haiku.Embed(64, ctx.emb_width, ctx, backend="xla")(i))
+    params = f.init(jax.random.key(0), np.zeros(8, np.int32))
+    # jnp.asarray(ids) would be [3, 0, ...] (x64 off): a real row.
+    with self.assertRaisesRegex(pe.InputError, re.escape(
+        "ids holds ids in [0, 4294967299], outside int32")):
+      f.apply(params, ids)
+    ids[0] = 7  # in range: the same rows as int32 ids
+    test_util.assert_bits_equal(self, f.apply(params, ids),
+                                f.apply(params, ids.astype(np.int32)))
 
 
 if __name__ == "__main__":
