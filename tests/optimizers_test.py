@@ -400,6 +400,12 @@ class LearningRateRuleTest(parameterized.TestCase):
     with self.assertRaisesRegex(pe.HyperParameterError, re.escape(message)):
       cls(0.1, **kw)
 
+  @parameterized.parameters("False", 0, None)
+  def test_lazy_must_be_a_bool(self, lazy):
+    with self.assertRaisesRegex(pe.HyperParameterError, re.escape(
+        f"pallas_emb RowwiseAdagrad lazy={lazy!r} must be True or False.")):
+      pe.RowwiseAdagrad(0.1, half_life_steps=2.0, lazy=lazy)
+
 
 # Every optimizer with a schedule that returns `bad` from step 1 on.
 def _scheduled(bad):
