@@ -127,9 +127,10 @@ def check_at_least(owner, name: str, low: float, strict: bool = False,
 class SparseOptimizer:
   """Base of the fused sparse optimizers; see the module docstring.
 
-  Subclasses are frozen dataclasses with a `learning_rate` field (a float,
-  or a schedule `step -> lr`, e.g. an optax one, evaluated at the stack's
-  step counter: updates applied so far).
+  Subclasses are frozen dataclasses with a `learning_rate` field (a float
+  > 0, or a schedule `step -> lr`, e.g. an optax one, evaluated at the
+  stack's step counter: updates applied so far; a step where it is not
+  finite is skipped, see `scalars_are_valid`).
   """
   state_type: ClassVar[type]
   # A row in the batch whose gradient is all zero (row_sq == 0: the padding

@@ -39,7 +39,8 @@ class Ftrl(base.SparseOptimizer):
   """FTRL-Proximal with L1 and L2 regularization, per element.
 
   Args:
-    learning_rate: a float > 0, or a schedule `step -> lr`.
+    learning_rate: a float > 0, or a schedule `step -> lr` (a step where it
+      is not > 0 is skipped, as the update divides by it).
     l1: L1 regularization strength, >= 0.
     l2: L2 regularization strength, >= 0.
     lr_power: the accumulator's power, <= 0 (-0.5: Adagrad-like).
