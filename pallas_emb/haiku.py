@@ -56,9 +56,10 @@ class Embed(hk.Module):
       makes float32 params.
     * Ids are converted to int32 by `pallas_emb.validation.as_ids` (an id
       outside int32 raises InputError, or under jit becomes int32 max,
-      clamped like any id past the table, never wrapped); a negative id is wrapped once, then ids are clamped into
-      `[0, vocab_size - 1]` -- the same rows `hk.Embed`'s default
-      ARRAY_INDEX lookup returns, bit for bit, for every int32 id.
+      clamped like any id past the table, never wrapped); a negative id is
+      wrapped once, then ids are clamped into `[0, vocab_size - 1]` -- the
+      same rows `hk.Embed`'s default ARRAY_INDEX lookup returns, bit for
+      bit, for every int32 id.
     * The output is sharded like the ids.
     * `padding_id` (default None, as `hk.Embed`: every id trains): an id
       that is looked up as usual but gets no gradient.
