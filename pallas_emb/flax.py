@@ -118,7 +118,10 @@ class Embed(nn.Module):
       context's `padding_id` is not used: the layer's own applies.
     * Out-of-range ids: `nn.Embed` returns NaN rows for ids >=
       num_embeddings; this layer wraps a negative id once and clamps, so it
-      always returns a real row. In range the output is bit-identical.
+      always returns a real row. In range the output is bit-identical. An
+      id outside int32 (e.g. a uint32 id >= 2**31) raises InputError, or
+      under jit becomes int32 max, clamped like any id past the table
+      (`pallas_emb.validation.as_ids`), never wrapped.
     * The output is sharded like the ids.
     * `padding_id` (default None, as `nn.Embed`: every id trains): an id
       that is looked up as usual but gets no gradient, under plain
@@ -169,13 +172,17 @@ class Embed(nn.Module):
 
   def __call__(self, inputs: Array) -> Array:
     """`inputs.shape + (features,)` embeddings, sharded like the ids."""
-    inputs = jnp.asarray(inputs)
+    if not hasattr(inputs, "dtype"):
+      inputs = jnp.asarray(inputs)
+    # numpy ids stay on the host until as_ids: jnp.asarray would wrap int64
+    # ids past int32 silently.
     if not jnp.issubdtype(inputs.dtype, jnp.integer):
       # nn.Embed's sentence (a ValueError too), then what and how.
       raise InputError(
           "Input type must be an integer or unsigned integer; "
-          f"pallas_emb.flax.Embed got ids of dtype {inputs.dtype}. Cast them "
-          "with ids.astype(jnp.int32).")
+          "pallas_emb.flax.Embed got ids of dtype "
+          f"{jax.dtypes.canonicalize_dtype(inputs.dtype)}. Cast them with "
+          "ids.astype(jnp.int32).")
     supplied = _supplied(self)
     if supplied is not None:
       self.sow(CALLS, "padding_id", self.padding_id)
@@ -187,8 +194,7 @@ class Embed(nn.Module):
             f"embeddings of shape {tuple(supplied.shape)} for it; call the "
             "Embed with its feature's ids from the batch, unchanged.")
       return supplied.astype(self.dtype or self.param_dtype)
-    if inputs.dtype != jnp.int32:
-      inputs = inputs.astype(jnp.int32)
+    inputs = validation.as_ids(inputs, "flax.Embed ids")
     (embedding,) = self.promote_dtype(self.embedding, dtype=self.dtype,
                                       inexact=False)
     # The layer's padding id (not the context's) gets no gradient.

@@ -54,9 +54,12 @@ class Embed(hk.Module):
       always the column-sharded gather of `pallas_emb.lookup`.
     * `dtype` is the param dtype (float32 or bfloat16); `hk.Embed` always
       makes float32 params.
-    * Ids are cast to int32; a negative id is wrapped once, then ids are
-      clamped into `[0, vocab_size - 1]` -- the same rows `hk.Embed`'s
-      default ARRAY_INDEX lookup returns, bit for bit, for every int32 id.
+    * Ids are converted to int32 by `pallas_emb.validation.as_ids` (an id
+      outside int32 raises InputError, or under jit becomes int32 max,
+      clamped like any id past the table, never wrapped); a negative id is
+      wrapped once, then ids are clamped into `[0, vocab_size - 1]` -- the
+      same rows `hk.Embed`'s default ARRAY_INDEX lookup returns, bit for
+      bit, for every int32 id.
     * The output is sharded like the ids.
     * `padding_id` (default None, as `hk.Embed`: every id trains): an id
       that is looked up as usual but gets no gradient.
@@ -122,15 +125,18 @@ class Embed(hk.Module):
 
   def __call__(self, ids: Array | Sequence[int]) -> Array:
     """Looks up `ids.shape + (embed_dim,)` embeddings, sharded like the ids."""
-    ids = jnp.asarray(ids)
+    if not hasattr(ids, "dtype"):
+      ids = jnp.asarray(ids)
+    # numpy ids go to as_ids as they are, to be range-checked there (with
+    # x64 off, jnp.asarray wraps an int64 id past int32).
     if not jnp.issubdtype(ids.dtype, jnp.integer):
       # hk.Embed's sentence (a ValueError too), then how to fix it.
       raise InputError(
           "pallas_emb.haiku.Embed's __call__ method must take an array of "
-          f"integer dtype but was called with an array of {ids.dtype}; cast "
+          "integer dtype but was called with an array of "
+          f"{jax.dtypes.canonicalize_dtype(ids.dtype)}; cast "
           "the ids with ids.astype(jnp.int32).")
-    if ids.dtype != jnp.int32:
-      ids = ids.astype(jnp.int32)
+    ids = validation.as_ids(ids, "haiku.Embed ids")
     # The layer's padding id (not the context's) gets no gradient.
     return lookup_with_padding(self.ctx, self.embeddings, ids,
                                padding_id=self.padding_id,

@@ -25,7 +25,8 @@ from pallas_emb.validation import EmbeddingContext
 class UpdateStats(NamedTuple):
   """norm: f32 full-width gradient norm of the batch.
 
-  valid: int32, 1 if the update was applied (finite norm and pending).
+  valid: int32, 1 if the update was applied (finite norm, valid per-step
+    scalars such as a schedule's learning rate, and pending).
   pending: int32, the pending flag that came in.
   num_overflow: int32, distinct ids that did not fit in num_unique (their
     gradients were not applied; `raise_if_overflow` turns it into an error).
@@ -85,7 +86,8 @@ def update_from_sums(ctx: EmbeddingContext, opt, backend: str, table,
   if ctx.group_size > 1:
     row_sq = _ordered_sum(row_sq, ctx.table_axis)
   norm = jnp.sqrt(row_sq[num_unique])
-  apply = jnp.isfinite(norm) & pending
+  apply = (jnp.isfinite(norm) & pending
+           & opt.scalars_are_valid(opt_state.step))
   table, opt_state = opt.update_rows(
       table, opt_state, unique_tokens, grad_accum, row_sq[:num_unique],
       apply, emb_width=ctx.emb_width, backend=backend,

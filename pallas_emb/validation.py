@@ -262,12 +262,50 @@ def is_committed(x) -> bool:
       getattr(x, "_committed", False))
 
 
+_INT32 = np.iinfo(np.int32)
+
+
+def _check_fits_int32(low, high, what: str) -> None:
+  """Raises unless ids in [low, high] fit int32 (a silent wrap would look up
+  and train the wrong rows)."""
+  if low < _INT32.min or high > _INT32.max:
+    raise InputError(
+        f"pallas_emb {what} holds ids in [{low}, {high}], outside int32; hash "
+        "or remap ids into the table's range first.")
+
+
+def _jax_ids_to_int32(ids: jax.Array, what: str) -> jax.Array:
+  """Integer jax ids (concrete or traced) as int32; see `as_ids`."""
+  info = jnp.iinfo(ids.dtype)
+  if info.min >= _INT32.min and info.max <= _INT32.max:
+    return ids.astype(jnp.int32)  # every value fits (int8, uint16, ...)
+  if not isinstance(ids, jax.core.Tracer):
+    if ids.size:
+      _check_fits_int32(int(jnp.min(ids)), int(jnp.max(ids)), what)
+    return ids.astype(jnp.int32)
+  # Traced: the values are unknown until run time, so an id outside int32
+  # becomes int32 max, an id outside every table, instead of wrapping onto
+  # a real row.
+  outside = ids > _INT32.max
+  if info.min < 0:
+    outside |= ids < _INT32.min
+  return jnp.where(outside, _INT32.max, ids).astype(jnp.int32)
+
+
 def as_ids(ids, what: str = "token_ids") -> jax.Array:
   """Any integer array-like (list, numpy, jax) as an int32 array.
 
-  Python lists and numpy arrays are checked to fit int32 (a silent wrap
-  would look up the wrong rows); jax arrays of another integer dtype are
-  cast, as `flax.linen.Embed` does.
+  Ids must be integers: float and bool arrays raise InputError. An id
+  outside int32 cannot be cast without wrapping onto another (real) row:
+
+  * lists, numpy arrays and concrete jax arrays (e.g. uint32, or int64 with
+    x64) holding one raise InputError naming the range found;
+  * traced jax arrays cannot be checked before tracing: such an id becomes
+    int32 max (2**31 - 1), an id outside every table, which lookup clamps
+    onto the last row, the sparse update skips, and `count_out_of_range`
+    counts.
+
+  Integer dtypes whose every value fits int32 (int8, uint16, ...) are cast.
   """
   if not isinstance(ids, (jax.Array, jax.core.Tracer)):
     try:
@@ -288,17 +326,14 @@ def as_ids(ids, what: str = "token_ids") -> jax.Array:
       raise InputError(
           f"pallas_emb {what} has dtype {host.dtype}; expected integer ids "
           "(int32). Cast them with ids.astype(jnp.int32).")
-    info = np.iinfo(np.int32)
-    if host.size and (host.min() < info.min or host.max() > info.max):
-      raise InputError(
-          f"pallas_emb {what} holds ids in [{host.min()}, {host.max()}], "
-          "outside int32; hash or remap ids into the table's range first.")
+    if host.size:
+      _check_fits_int32(host.min(), host.max(), what)
     return jnp.asarray(host.astype(np.int32))
   if not jnp.issubdtype(ids.dtype, jnp.integer):
     raise InputError(
         f"pallas_emb {what} has dtype {ids.dtype}; expected integer ids "
         "(int32). Cast them with ids.astype(jnp.int32).")
-  return ids if ids.dtype == jnp.int32 else ids.astype(jnp.int32)
+  return ids if ids.dtype == jnp.int32 else _jax_ids_to_int32(ids, what)
 
 
 def check_table(ctx: EmbeddingContext, table, what: str = "table") -> None:

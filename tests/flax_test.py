@@ -16,6 +16,7 @@ import test_util  # pylint: disable=g-bad-import-order  (8 CPU devices first)
 import functools
 import importlib
 import os
+import re
 import subprocess
 import sys
 
@@ -1113,6 +1114,43 @@ class ShadowingTest(absltest.TestCase):
     self.assertNotEqual(result.returncode, 0)
     self.assertIn("was imported as the top-level module `flax`",
                   result.stderr)
+
+
+
+class WideIdsTest(absltest.TestCase):
+  """uint32 ids past int32 are never wrapped onto another row."""
+
+  def test_uint32_ids(self):
+    ctx = make_ctx("8ranks", (8,))
+    values = np.array([2**32 - 2, 2**31 + 5, 2**31, 2**31 - 1, 5, 0, 63, 1],
+                      np.uint32)
+    layer = pe_flax.Embed(VOCAB, ctx.emb_width, ctx, backend="xla")
+    variables = layer.init(jax.random.key(0), np.zeros(8, np.int32))
+    table = np.asarray(variables["params"]["embedding"].value)
+    ids = jax.device_put(jnp.asarray(values), pe.token_sharding(ctx))
+    # Traced: past int32 is past the table, clamped onto the last row; a
+    # cast would wrap 2**32 - 2 onto row VOCAB - 2.
+    out = jax.jit(layer.apply)(variables, ids)
+    rows = np.minimum(values.astype(np.int64), VOCAB - 1)
+    test_util.assert_bits_equal(self, out, table[rows])
+    # Concrete: checked before tracing.
+    with self.assertRaisesRegex(pe.InputError, "^pallas_emb flax.Embed ids "
+                                r"holds ids in \[0, 4294967294\], outside "
+                                "int32"):
+      layer.apply(variables, ids)
+
+  def test_numpy_int64_ids(self):
+    ctx = make_ctx("8ranks", (8,))
+    ids = np.array([2**32 + 3, 0, 1, 2, 3, 4, 5, 6], np.int64)
+    layer = pe_flax.Embed(VOCAB, ctx.emb_width, ctx, backend="xla")
+    variables = layer.init(jax.random.key(0), np.zeros(8, np.int32))
+    # jnp.asarray(ids) would be [3, 0, ...] (x64 off): a real row.
+    with self.assertRaisesRegex(pe.InputError, re.escape(
+        "ids holds ids in [0, 4294967299], outside int32")):
+      layer.apply(variables, ids)
+    ids[0] = 7  # in range: the same rows as int32 ids
+    test_util.assert_bits_equal(self, layer.apply(variables, ids),
+                                layer.apply(variables, ids.astype(np.int32)))
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ import test_util  # pylint: disable=g-bad-import-order  (8 CPU devices first)
 
 import functools
 import os
+import re
 import subprocess
 import sys
 
@@ -459,6 +460,45 @@ class ShadowingTest(absltest.TestCase):
     self.assertNotEqual(result.returncode, 0)
     self.assertIn("was imported as the top-level module `haiku`",
                   result.stderr)
+
+
+
+class WideIdsTest(absltest.TestCase):
+  """uint32 ids past int32 are never wrapped onto another row."""
+
+  def test_uint32_ids(self):
+    ctx = make_ctx("8ranks", (8,))
+    values = np.array([2**32 - 2, 2**31 + 5, 2**31, 2**31 - 1, 5, 0, 63, 1],
+                      np.uint32)
+    f = transform(
+        lambda i: pe_haiku.Embed(64, ctx.emb_width, ctx, backend="xla")(i))
+    params = f.init(jax.random.key(0), np.zeros(8, np.int32))
+    table = np.asarray(params["embed"]["embeddings"])
+    ids = jax.device_put(jnp.asarray(values), pe.token_sharding(ctx))
+    # Traced: past int32 is past the table, clamped onto the last row; a
+    # cast would wrap 2**32 - 2 onto row 62.
+    out = jax.jit(f.apply)(params, ids)
+    rows = np.minimum(values.astype(np.int64), 63)
+    test_util.assert_bits_equal(self, out, table[rows])
+    # Concrete: checked before tracing.
+    with self.assertRaisesRegex(pe.InputError, "^pallas_emb haiku.Embed ids "
+                                r"holds ids in \[0, 4294967294\], outside "
+                                "int32"):
+      f.apply(params, ids)
+
+  def test_numpy_int64_ids(self):
+    ctx = make_ctx("8ranks", (8,))
+    ids = np.array([2**32 + 3, 0, 1, 2, 3, 4, 5, 6], np.int64)
+    f = transform(
+        lambda i: pe_haiku.Embed(64, ctx.emb_width, ctx, backend="xla")(i))
+    params = f.init(jax.random.key(0), np.zeros(8, np.int32))
+    # jnp.asarray(ids) would be [3, 0, ...] (x64 off): a real row.
+    with self.assertRaisesRegex(pe.InputError, re.escape(
+        "ids holds ids in [0, 4294967299], outside int32")):
+      f.apply(params, ids)
+    ids[0] = 7  # in range: the same rows as int32 ids
+    test_util.assert_bits_equal(self, f.apply(params, ids),
+                                f.apply(params, ids.astype(np.int32)))
 
 
 if __name__ == "__main__":

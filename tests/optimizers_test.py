@@ -10,6 +10,7 @@ its checkpoint restores on another rank count.
 """
 
 import functools
+import re
 import tempfile
 
 import test_util
@@ -363,6 +364,128 @@ class HyperParameterTest(parameterized.TestCase):
     with self.assertRaisesRegex(pe.InputError, "needs emb_width="):
       adam.init_state(VOCAB, pe.replicated_sharding(ctx),
                       pe.table_sharding(ctx))
+
+
+
+class LearningRateRuleTest(parameterized.TestCase):
+  """One rule for every optimizer's float learning rate: finite and > 0 as
+  the float32 the update computes in."""
+
+  @parameterized.product(
+      cls=(pe.Sgd, pe.Adagrad, pe.Adam, pe.PartialRowwiseAdam, pe.Ftrl,
+           pe.RowwiseAdagrad),
+      lr=(-0.1, 0.0, 1e-50, 1e39, float("nan"), float("-inf")))
+  def test_bad_learning_rate(self, cls, lr):
+    with self.assertRaisesRegex(pe.HyperParameterError, "^" + re.escape(
+        f"pallas_emb {cls.__name__} learning_rate={lr!r} must be a finite "
+        "number > 0 (in float32) or a schedule")):
+      cls(lr)
+
+  @parameterized.parameters(
+      # 1 - 1e-9 is < 1, but 1.0 in float32: 1 - b1**t would be 0.
+      (pe.Adam, dict(b1=1 - 1e-9), "b1=0.999999999 must be finite and >= 0 "
+       "and < 1 in float32"),
+      (pe.PartialRowwiseAdam, dict(b2=1 - 1e-9), "b2=0.999999999"),
+      # 0 in float32: an element whose moments are 0 would divide 0 by 0.
+      (pe.Adam, dict(eps=1e-50), "eps=1e-50 must be finite and > 0 in "
+       "float32"),
+      (pe.RowwiseAdagrad, dict(eps=1e-50), "eps=1e-50 must be finite and > "
+       "0"),
+      (pe.Adagrad, dict(eps=1e39), "eps=1e+39 must be finite"),
+      (pe.Ftrl, dict(initial_accumulator_value=1e-50), "would divide 0 by 0"),
+      (pe.Ftrl, dict(l2=1e39), "l2=1e+39 must be finite"),
+  )
+  def test_bad_in_float32(self, cls, kw, message):
+    with self.assertRaisesRegex(pe.HyperParameterError, re.escape(message)):
+      cls(0.1, **kw)
+
+  @parameterized.parameters("False", 0, None)
+  def test_lazy_must_be_a_bool(self, lazy):
+    with self.assertRaisesRegex(pe.HyperParameterError, re.escape(
+        f"pallas_emb RowwiseAdagrad lazy={lazy!r} must be True or False.")):
+      pe.RowwiseAdagrad(0.1, half_life_steps=2.0, lazy=lazy)
+
+
+# Every optimizer with a schedule that returns `bad` from step 1 on.
+def _scheduled(bad):
+  schedule = lambda step: jnp.where(step >= 1, jnp.float32(bad), 0.1)
+  return {
+      "sgd": pe.Sgd(schedule),
+      "adagrad": pe.Adagrad(schedule),
+      "adam": pe.Adam(schedule),
+      "partial_rowwise_adam": pe.PartialRowwiseAdam(schedule),
+      "ftrl": pe.Ftrl(schedule, l1=0.01, l2=0.1),
+      "rowwise_adagrad": pe.RowwiseAdagrad(schedule),
+      "rowwise_adagrad_lazy": pe.RowwiseAdagrad(schedule, half_life_steps=2.0,
+                                                lazy=True),
+  }
+
+
+class ScalarGuardTest(parameterized.TestCase):
+  """A step whose per-step scalars are not valid (a schedule's NaN or inf,
+  Ftrl's learning rate 0) is skipped like a non-finite gradient norm:
+  nothing changes, not even the step counter."""
+
+  CASES = [(name, bad) for bad in (float("nan"), float("inf"))
+           for name in _scheduled(0.0)] + [("ftrl", 0.0)]
+
+  def _two_steps(self, name, bad, backend=None):
+    ctx = pe.make_context(test_util.mesh({"x": 2}), "x", tokens_per_batch=4,
+                          emb_width=4, num_unique=5)
+    opt = _scheduled(bad)[name]
+    table = jax.device_put(
+        jnp.asarray(np.random.default_rng(0).normal(size=(VOCAB, 4)), F32),
+        pe.table_sharding(ctx))
+    ids = jax.device_put(jnp.array([1, 2, 2, 5], jnp.int32),
+                         pe.token_sharding(ctx))
+    dd = pe.dedup(ctx, ids, vocab_rows=VOCAB)
+    grads = jnp.asarray(np.random.default_rng(1).normal(size=(4, 4)), F32)
+    state0 = opt.init(ctx, table)
+    # Step 0: a finite learning rate trains the rows.
+    table1, state1, stats1 = pe.apply_gradients(ctx, opt, table, state0,
+                                                grads, dd, backend=backend)
+    # Step 1: the schedule's bad value.
+    table2, state2, stats2 = pe.apply_gradients(ctx, opt, table1, state1,
+                                                grads, dd, backend=backend)
+    return (table, state0, stats1), (table1, state1), (table2, state2,
+                                                      stats2)
+
+  @parameterized.parameters(*CASES)
+  def test_nothing_changes(self, name, bad):
+    self._check_nothing_changes(name, bad)
+
+  @parameterized.product(
+      case=(("adam", float("nan")), ("rowwise_adagrad_lazy", float("inf")),
+            ("ftrl", 0.0)),
+      backend=test_util.backends())
+  def test_every_backend(self, case, backend):
+    self._check_nothing_changes(*case, backend=backend)
+
+  def _check_nothing_changes(self, name, bad, backend=None):
+    (table, _, stats1), (table1, state1), (table2, state2, _) = (
+        self._two_steps(name, bad, backend))
+    self.assertEqual(int(stats1.valid), 1)
+    self.assertEqual(int(state1.step), 1)
+    self.assertFalse(np.array_equal(np.asarray(table1), np.asarray(table)))
+    self.assertEqual(int(state2.step), 1)
+    assert_tree_bits_equal(self, jax.device_get(table2),
+                           jax.device_get(table1))
+    assert_tree_bits_equal(self, jax.device_get(state2),
+                           jax.device_get(state1))
+
+  @parameterized.parameters(*CASES)
+  def test_stats_report_the_skip(self, name, bad):
+    *_, (_, _, stats2) = self._two_steps(name, bad)
+    self.assertEqual(int(stats2.valid), 0)
+
+  def test_scalars_are_valid(self):
+    opt = _scheduled(float("nan"))["adam"]
+    self.assertTrue(bool(opt.scalars_are_valid(jnp.int32(0))))
+    self.assertFalse(bool(opt.scalars_are_valid(jnp.int32(1))))
+    ftrl = _scheduled(0.0)["ftrl"]
+    self.assertFalse(bool(ftrl.scalars_are_valid(jnp.int32(1))))
+    self.assertTrue(bool(_scheduled(0.0)["sgd"].scalars_are_valid(
+        jnp.int32(1))))  # lr 0 is a valid (if idle) step for SGD
 
 
 if __name__ == "__main__":

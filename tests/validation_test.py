@@ -8,6 +8,7 @@ from absl.testing import absltest
 from absl.testing import parameterized
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 import pallas_emb as pe
 from pallas_emb import validation
@@ -205,6 +206,86 @@ class CallChecksTest(absltest.TestCase):
     with self.assertRaisesRegex(pe.InputError, "backend='triton' is not one of"):
       validation.resolve_backend(self.ctx, "triton")
     self.assertEqual(validation.resolve_backend(self.ctx, None), "xla")
+
+
+
+class WideIdsTest(parameterized.TestCase):
+  """Ids of an integer dtype wider than int32 never wrap onto a real row."""
+
+  INT32_MAX = 2**31 - 1
+
+  @parameterized.parameters(2**32 - 1, 2**31 + 5, 2**31)
+  def test_concrete_uint32_outside_int32_raises(self, value):
+    ids = jnp.full(8, value, jnp.uint32)
+    with self.assertRaisesRegex(pe.InputError, "^" + re.escape(
+        f"pallas_emb token_ids holds ids in [{value}, {value}], outside "
+        "int32; hash or remap ids into the table's range first.")):
+      validation.as_ids(ids)
+
+  def test_concrete_uint32_inside_int32_is_cast(self):
+    values = np.array([0, 5, 63, 2**31 - 1], np.uint32)
+    out = validation.as_ids(jnp.asarray(values))
+    self.assertEqual(out.dtype, jnp.int32)
+    np.testing.assert_array_equal(np.asarray(out), values.astype(np.int64))
+
+  def test_traced_uint32_outside_int32_is_outside_every_table(self):
+    values = np.array([0, 7, 2**31 - 1, 2**31, 2**31 + 5, 2**32 - 1],
+                      np.uint32)
+    out = jax.jit(validation.as_ids)(jnp.asarray(values))
+    want = np.where(values.astype(np.int64) > self.INT32_MAX, self.INT32_MAX,
+                    values.astype(np.int64))
+    self.assertEqual(out.dtype, jnp.int32)
+    np.testing.assert_array_equal(np.asarray(out), want)
+
+  def test_int64_ids_with_x64(self):
+    values = np.array([-2**40, -2**31, -3, 9, 2**31 - 1, 2**31, 2**40],
+                      np.int64)
+    with jax.enable_x64(True):
+      ids = jnp.asarray(values)
+      self.assertEqual(ids.dtype, jnp.int64)
+      with self.assertRaisesRegex(pe.InputError, re.escape(
+          f"holds ids in [{-2**40}, {2**40}], outside int32")):
+        validation.as_ids(ids)
+      out = np.asarray(jax.jit(validation.as_ids)(ids))
+    outside = (values < -2**31) | (values > self.INT32_MAX)
+    np.testing.assert_array_equal(
+        out, np.where(outside, self.INT32_MAX, values))
+
+  def test_bool_ids_raise(self):
+    for ids in ([True, False], np.array([True]), jnp.array([True, False])):
+      with self.assertRaisesRegex(pe.InputError, "dtype bool; expected "
+                                  "integer ids"):
+        validation.as_ids(ids)
+
+  def test_traced_uint32_max_neither_trains_nor_moves_a_row(self):
+    """`2**32 - 1` used to become -1, wrapped onto the last row and trained
+    it; now it is an id past the table: lookup clamps it (the last row's
+    values), the update skips it, and count_out_of_range counts it."""
+    vocab, width = 64, 8
+    ctx = pe.make_context(mesh({"x": 4}), "x", tokens_per_batch=8,
+                          emb_width=width, num_unique=9)
+    table = jax.device_put(
+        jnp.arange(vocab * width, dtype=jnp.float32).reshape(vocab, width),
+        pe.table_sharding(ctx))
+    opt = pe.Sgd(0.5)
+    ids = jnp.full(8, 2**32 - 1, jnp.uint32)
+
+    @jax.jit
+    def step(table, opt_state, ids):
+      emb = pe.lookup(ctx, table, ids)
+      dd = pe.dedup(ctx, ids, vocab_rows=vocab)
+      new_table, _, stats = pe.apply_gradients(
+          ctx, opt, table, opt_state, jnp.ones_like(emb), dd)
+      return emb, new_table, stats, pe.count_out_of_range(
+          validation.as_ids(ids), vocab)
+
+    emb, new_table, _, count = step(table, opt.init(ctx, table), ids)
+    np.testing.assert_array_equal(np.asarray(emb),
+                                  np.tile(np.asarray(table)[-1], (8, 1)))
+    np.testing.assert_array_equal(np.asarray(new_table), np.asarray(table))
+    self.assertEqual(int(count), 8)
+    with self.assertRaisesRegex(pe.InputError, "outside int32"):
+      pe.lookup(ctx, table, ids)  # concrete: checked before tracing
 
 
 if __name__ == "__main__":

@@ -30,6 +30,7 @@ from typing import Any, Callable, ClassVar, NamedTuple, Union
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
+import numpy as np
 
 from pallas_emb import exchange
 from pallas_emb import kernels
@@ -78,8 +79,11 @@ def snake_case(name: str) -> str:
 
 
 def is_finite_number(x) -> bool:
-  return (isinstance(x, (int, float)) and not isinstance(x, bool)
-          and math.isfinite(x))
+  """A real number (not a bool) that stays finite in float32, the dtype the
+  update computes in (1e39 is a finite float but an f32 inf)."""
+  if not isinstance(x, (int, float)) or isinstance(x, bool):
+    return False
+  return math.isfinite(x) and abs(x) <= float(np.finfo(np.float32).max)
 
 
 def check(ok: bool, owner, message: str) -> None:
@@ -88,34 +92,45 @@ def check(ok: bool, owner, message: str) -> None:
     raise HyperParameterError(f"pallas_emb {type(owner).__name__} {message}")
 
 
-def check_learning_rate(owner, positive: bool = False) -> None:
+def check_learning_rate(owner) -> None:
+  """Every optimizer's rule for a float learning rate: finite and > 0 in
+  float32 (0 would train nothing, a negative one ascend the loss). A
+  schedule's values are checked per step (`scalars_are_valid`)."""
   lr = owner.learning_rate
   if callable(lr):
     return
-  check(is_finite_number(lr) and (lr > 0 or not positive), owner,
-        f"learning_rate={lr!r} must be a finite number"
-        f"{' > 0' if positive else ''} or a schedule step -> learning rate.")
+  check(is_finite_number(lr) and np.float32(lr) > 0, owner,
+        f"learning_rate={lr!r} must be a finite number > 0 (in float32) or "
+        "a schedule step -> learning rate.")
 
 
 def check_at_least(owner, name: str, low: float, strict: bool = False,
                    high: float | None = None) -> None:
-  """`getattr(owner, name)` is finite and >= low (> low if strict), < high."""
+  """`getattr(owner, name)` is finite and >= low (> low if strict), < high.
+
+  Compared as the float32 the math uses: an eps of 1e-50 is 0 there, a b1
+  of 1 - 1e-9 is 1.
+  """
   value = getattr(owner, name)
-  ok = is_finite_number(value) and (value > low if strict else value >= low)
-  if high is not None:
-    ok = ok and value < high
+  ok = is_finite_number(value)
+  if ok:
+    value32 = np.float32(value)
+    ok = value32 > low if strict else value32 >= low
+    ok = ok and (high is None or value32 < high)
   bounds = f"{'>' if strict else '>='} {low}" + (
       "" if high is None else f" and < {high}")
-  check(ok, owner, f"{name}={value!r} must be finite and {bounds}.")
+  check(ok, owner, f"{name}={value!r} must be finite and {bounds} in "
+        "float32.")
 
 
 @dataclasses.dataclass(frozen=True)
 class SparseOptimizer:
   """Base of the fused sparse optimizers; see the module docstring.
 
-  Subclasses are frozen dataclasses with a `learning_rate` field (a float,
-  or a schedule `step -> lr`, e.g. an optax one, evaluated at the stack's
-  step counter: updates applied so far).
+  Subclasses are frozen dataclasses with a `learning_rate` field (a float
+  > 0, or a schedule `step -> lr`, e.g. an optax one, evaluated at the
+  stack's step counter: updates applied so far; a step where it is not
+  finite is skipped, see `scalars_are_valid`).
   """
   state_type: ClassVar[type]
   # A row in the batch whose gradient is all zero (row_sq == 0: the padding
@@ -131,6 +146,20 @@ class SparseOptimizer:
   def scalars(self, step: jax.Array) -> tuple[jax.Array, ...]:
     """Per-step f32 values for the math; by default the learning rate."""
     return (self.learning_rate_at(step),)
+
+  def scalars_are_valid(self, step: jax.Array) -> jax.Array:
+    """bool scalar: whether the update at `step` may be applied as far as
+    its per-step values go.
+
+    A schedule (of the learning rate or of any hyper-parameter) or a bias
+    correction that is not finite would write NaN into every touched row,
+    so such a step is skipped like one with a non-finite gradient norm.
+    Subclasses whose math needs more (Ftrl: a learning rate > 0) extend it.
+    """
+    ok = jnp.bool_(True)
+    for value in self.scalars(step):
+      ok &= jnp.all(jnp.isfinite(value))
+    return ok
 
   def row_update(self, row, row_sq, step, scalars, emb_width):
     """`({slot: new [R] value}, per-row coefficients)`; default: none."""
@@ -259,9 +288,11 @@ class SparseOptimizer:
 
     `grad_accum` f32 `[U, S]` holds this rank's columns of each unique
     row's summed gradient, `row_sq` f32 `[U]` the full-width squared norms;
-    nothing changes, not even the step, where `apply` is false.
+    nothing changes, not even the step, where `apply` is false or this
+    step's scalars are not valid (`scalars_are_valid`).
     """
     step = opt_state.step
+    apply = jnp.asarray(apply, jnp.bool_) & self.scalars_are_valid(step)
     table, rows, elements = kernels.sparse_update_rows(
         self, table, [getattr(opt_state, n) for n in self.row_slots],
         [getattr(opt_state, n) for n in self.element_slots], unique_tokens,

@@ -39,7 +39,8 @@ class Ftrl(base.SparseOptimizer):
   """FTRL-Proximal with L1 and L2 regularization, per element.
 
   Args:
-    learning_rate: a float > 0, or a schedule `step -> lr`.
+    learning_rate: a float > 0, or a schedule `step -> lr` (a step where it
+      is not > 0 is skipped, as the update divides by it).
     l1: L1 regularization strength, >= 0.
     l2: L2 regularization strength, >= 0.
     lr_power: the accumulator's power, <= 0 (-0.5: Adagrad-like).
@@ -55,13 +56,13 @@ class Ftrl(base.SparseOptimizer):
   state_type: ClassVar[type] = FtrlState
 
   def __post_init__(self):
-    base.check_learning_rate(self, positive=True)
+    base.check_learning_rate(self)
     base.check_at_least(self, "l1", 0)
     base.check_at_least(self, "l2", 0)
     base.check(base.is_finite_number(self.lr_power) and self.lr_power <= 0,
                self, f"lr_power={self.lr_power!r} must be finite and <= 0.")
     base.check(base.is_finite_number(self.initial_accumulator_value)
-               and self.initial_accumulator_value > 0, self,
+               and np.float32(self.initial_accumulator_value) > 0, self,
                "initial_accumulator_value="
                f"{self.initial_accumulator_value!r} must be finite and > 0: "
                "at 0, an element without gradient would divide 0 by 0.")
@@ -70,6 +71,12 @@ class Ftrl(base.SparseOptimizer):
     return (base.Slot("accumulator", base.ELEMENT,
                       self.initial_accumulator_value),
             base.Slot("linear", base.ELEMENT))
+
+  def scalars_are_valid(self, step):
+    # The update divides by the learning rate: a schedule's 0 would write
+    # 0 / 0 into the rows.
+    (lr,) = self.scalars(step)
+    return super().scalars_are_valid(step) & (lr > 0)
 
   def _power(self, n: jax.Array) -> jax.Array:
     if self.lr_power == -0.5:

@@ -13,6 +13,7 @@ from typing import ClassVar, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from pallas_emb.errors import InputError
 from pallas_emb.kernels import common
@@ -78,6 +79,9 @@ class RowwiseAdagrad(base.SparseOptimizer):
                f"weight_decay={self.weight_decay!r} makes the row factor "
                "exp(-weight_decay) underflow to 0; use a smaller weight "
                "decay.")
+    # A string such as "False" is truthy: it would silently select lazy.
+    base.check(isinstance(self.lazy, (bool, np.bool_)), self,
+               f"lazy={self.lazy!r} must be True or False.")
     base.check(not self.lazy or half_life is not None
                or bool(self.weight_decay), self,
                "lazy=True needs half_life_steps or weight_decay: without a "
