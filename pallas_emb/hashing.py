@@ -6,7 +6,9 @@ functions of the Carter-Wegman family
     h_k(x) = ((a_k * x + b_k) mod p) mod (rows - 1) + 1,   p = 2^31 - 1,
 
 into a table of `rows` rows, far fewer than the ids. Row 0 stays the padding
-row: id 0 hashes to 0 under every h_k, and no other id does.
+row: id 0 hashes to 0 under every h_k, and no other id does. The family
+sees ids only mod p: raw ids that agree mod p (x and x + p) collide under
+every h_k, so ids beyond 2^31 - 1 are best dense or mixed first.
 
 Parameters: a_k in [1, p) and b_k in [0, p) are the (2k+1)-th and (2k+2)-th
 outputs of splitmix64 seeded with `seed` (k = 0, 1, ...), reduced as

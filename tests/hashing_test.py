@@ -2,7 +2,7 @@
 
 import itertools
 
-from tests import test_util  # pylint: disable=unused-import  # before jax
+import test_util  # pylint: disable=unused-import  # before jax
 
 from absl.testing import absltest, parameterized
 import jax

@@ -42,3 +42,24 @@ __all__ = [
     "synthetic",
     "zipf_ids",
 ]
+
+# MovieLens-1M as per-user item sequences (next-item prediction).
+from pallas_emb.datasets.movielens1m import download_movielens1m  # pylint: disable=g-import-not-at-top
+from pallas_emb.datasets.movielens1m import find_movielens1m  # pylint: disable=g-import-not-at-top
+from pallas_emb.datasets.movielens1m import leave_one_out  # pylint: disable=g-import-not-at-top
+from pallas_emb.datasets.movielens1m import LeaveOneOut  # pylint: disable=g-import-not-at-top
+from pallas_emb.datasets.movielens1m import load_movielens1m  # pylint: disable=g-import-not-at-top
+from pallas_emb.datasets.movielens1m import ML1M_MEMBER  # pylint: disable=g-import-not-at-top
+from pallas_emb.datasets.movielens1m import ML1M_REQUIREMENT  # pylint: disable=g-import-not-at-top
+from pallas_emb.datasets.movielens1m import Sequences  # pylint: disable=g-import-not-at-top
+
+__all__ += [
+    "LeaveOneOut",
+    "ML1M_MEMBER",
+    "ML1M_REQUIREMENT",
+    "Sequences",
+    "download_movielens1m",
+    "find_movielens1m",
+    "leave_one_out",
+    "load_movielens1m",
+]
