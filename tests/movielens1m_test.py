@@ -142,6 +142,21 @@ class SplitTest(absltest.TestCase):
     self.assertEqual(split.train.item_names, names)
     self.assertEqual(split.train.items.size, len(_ROWS) - 4)
 
+  def test_padded(self):
+    want = model_sequences(_ROWS)
+    names = self.seqs.item_names
+    for max_len in (None, 2, 4, 7):
+      got = self.seqs.padded(max_len)
+      width = 5 if max_len is None else max_len  # u7 has 5 items
+      self.assertEqual(got.shape, (2, width))
+      self.assertEqual(got.dtype, np.int32)
+      for row, user in enumerate(self.seqs.user_names[1:]):
+        items = [names.index(i) for i, _, _ in want[user]][-width:]
+        self.assertEqual(got[row].tolist(),
+                         items + [0] * (width - len(items)))
+    with self.assertRaisesRegex(datasets.DataError, "max_len=0"):
+      self.seqs.padded(0)
+
   def test_too_short_users(self):
     rows = _ROWS + [("u9", "A", 1, 1), ("u9", "B", 1, 2)]
     seqs = ml1m.to_sequences(*ml1m.parse_interactions(_inter(rows), "x"), "t")

@@ -63,3 +63,9 @@ __all__ += [
     "leave_one_out",
     "load_movielens1m",
 ]
+
+# Full-ranking next-item metrics.
+from pallas_emb.datasets.ranking import ranking_metrics  # pylint: disable=g-import-not-at-top
+from pallas_emb.datasets.ranking import target_ranks  # pylint: disable=g-import-not-at-top
+
+__all__ += ["ranking_metrics", "target_ranks"]

@@ -98,6 +98,24 @@ class Sequences:
                       f"a dense user id in 1..{self.num_users}.")
     return self.items[self.offsets[user - 1]:self.offsets[user]]
 
+  def padded(self, max_len: int | None = None) -> np.ndarray:
+    """int32 [num_users, L]: each user's last min(length, max_len) items.
+
+    Oldest first, left-aligned, 0-padded at the end; L = max_len, or the
+    longest sequence when None. Row u - 1 belongs to dense user id u.
+    """
+    lengths = self.lengths
+    width = int(lengths.max()) if max_len is None else max_len
+    if width < 1:
+      raise DataError(f"pallas_emb Sequences.padded max_len={max_len}; "
+                      "expected a positive length.")
+    keep = np.minimum(lengths, width)
+    column = np.arange(width)
+    index = (self.offsets[1:] - keep)[:, None] + column
+    inside = column < keep[:, None]
+    return np.where(inside, self.items[np.where(inside, index, 0)],
+                    0).astype(np.int32)
+
   def drop_last(self, n: int) -> Sequences:
     """The same users without their last `n` events (same ids and names)."""
     lengths = self.lengths
