@@ -11,7 +11,7 @@ from unittest import mock
 from absl.testing import absltest, parameterized
 import numpy as np
 
-from datasets_test import _tempdir, _write, _write_zip  # pylint: disable=g-bad-import-order
+from datasets_test import _tempdir, _write, _write_zip
 from pallas_emb import datasets
 from pallas_emb.datasets import movielens1m as ml1m
 

@@ -44,14 +44,14 @@ __all__ = [
 ]
 
 # MovieLens-1M as per-user item sequences (next-item prediction).
-from pallas_emb.datasets.movielens1m import download_movielens1m  # pylint: disable=g-import-not-at-top
-from pallas_emb.datasets.movielens1m import find_movielens1m  # pylint: disable=g-import-not-at-top
-from pallas_emb.datasets.movielens1m import leave_one_out  # pylint: disable=g-import-not-at-top
-from pallas_emb.datasets.movielens1m import LeaveOneOut  # pylint: disable=g-import-not-at-top
-from pallas_emb.datasets.movielens1m import load_movielens1m  # pylint: disable=g-import-not-at-top
-from pallas_emb.datasets.movielens1m import ML1M_MEMBER  # pylint: disable=g-import-not-at-top
-from pallas_emb.datasets.movielens1m import ML1M_REQUIREMENT  # pylint: disable=g-import-not-at-top
-from pallas_emb.datasets.movielens1m import Sequences  # pylint: disable=g-import-not-at-top
+from pallas_emb.datasets.movielens1m import download_movielens1m
+from pallas_emb.datasets.movielens1m import find_movielens1m
+from pallas_emb.datasets.movielens1m import leave_one_out
+from pallas_emb.datasets.movielens1m import LeaveOneOut
+from pallas_emb.datasets.movielens1m import load_movielens1m
+from pallas_emb.datasets.movielens1m import ML1M_MEMBER
+from pallas_emb.datasets.movielens1m import ML1M_REQUIREMENT
+from pallas_emb.datasets.movielens1m import Sequences
 
 __all__ += [
     "LeaveOneOut",
@@ -65,7 +65,7 @@ __all__ += [
 ]
 
 # Full-ranking next-item metrics.
-from pallas_emb.datasets.ranking import ranking_metrics  # pylint: disable=g-import-not-at-top
-from pallas_emb.datasets.ranking import target_ranks  # pylint: disable=g-import-not-at-top
+from pallas_emb.datasets.ranking import ranking_metrics
+from pallas_emb.datasets.ranking import target_ranks
 
 __all__ += ["ranking_metrics", "target_ranks"]
