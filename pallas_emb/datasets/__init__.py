@@ -42,3 +42,30 @@ __all__ = [
     "synthetic",
     "zipf_ids",
 ]
+
+# MovieLens-1M as per-user item sequences (next-item prediction).
+from pallas_emb.datasets.movielens1m import download_movielens1m
+from pallas_emb.datasets.movielens1m import find_movielens1m
+from pallas_emb.datasets.movielens1m import leave_one_out
+from pallas_emb.datasets.movielens1m import LeaveOneOut
+from pallas_emb.datasets.movielens1m import load_movielens1m
+from pallas_emb.datasets.movielens1m import ML1M_MEMBER
+from pallas_emb.datasets.movielens1m import ML1M_REQUIREMENT
+from pallas_emb.datasets.movielens1m import Sequences
+
+__all__ += [
+    "LeaveOneOut",
+    "ML1M_MEMBER",
+    "ML1M_REQUIREMENT",
+    "Sequences",
+    "download_movielens1m",
+    "find_movielens1m",
+    "leave_one_out",
+    "load_movielens1m",
+]
+
+# Full-ranking next-item metrics.
+from pallas_emb.datasets.ranking import ranking_metrics
+from pallas_emb.datasets.ranking import target_ranks
+
+__all__ += ["ranking_metrics", "target_ranks"]
