@@ -1,23 +1,27 @@
 """Serving tables: row-wise int8, bfloat16 or float16 copies of a table.
 
 `quantize_rows(table, "int8")` stores each row in FBGEMM's fused 8-bit
-row-wise semantics: from the row's min and max,
+row-wise format semantics: from the row's min and max, with every operation
+rounded to f32,
 
-    scale = (max - min) / 255          (f32, per row)
-    bias  = min                        (f32, per row)
-    q     = round((x - bias) / scale)  (uint8, ties to even; 0 if scale == 0)
+    span  = max - min
+    scale = span * f32(1 / 255)                          (per row)
+    bias  = min                                          (per row)
+    q     = round((x - bias) * (255 / span))             (uint8, ties to
+                                                          even; 0 if span 0)
 
 and a row is read back as `x' = q * scale + bias` (`dequantize_rows`). With
 u = 2**-24 (f32's unit roundoff) every element satisfies
 
-    |x' - x| <= scale / 2 + 8 * u * max(|min|, |max|)
+    |x' - x| <= scale / 2 + 16 * u * max(|min|, |max|)
 
 (the rounding to a code, plus the f32 roundings of the subtraction, the
-division, the product and the sum). A constant row has scale 0, all codes 0
-and reads back exactly `bias`. FBGEMM computes the codes as
-`(x - min) * (255 / (range + 1e-8))`, which can differ from ours by one code
-where a value sits on a rounding tie; scale, bias and the read-back formula
-are the same, so a table quantized by either reads back the same way.
+reciprocal, the products and the sum: 13 u in all, rounded up). A constant
+row has scale 0, all codes 0 and reads back exactly `bias`. FBGEMM's
+scale is `span / 255` and its inverse `255 / (span + 1e-8)`: its scale can
+differ from ours in the last bit and its codes by one where a value sits on
+a rounding tie (or for spans near 1e-8); bias and the read-back formula are
+the same, so a table quantized by either reads back the same way.
 
 "bfloat16" and "float16" are plain casts (round to nearest even).
 
@@ -82,11 +86,14 @@ def _check_table(table) -> None:
 def _quantize_int8(table: jax.Array) -> QuantizedRows:
   x = table.astype(jnp.float32)
   lo = jnp.min(x, axis=1)
-  hi = jnp.max(x, axis=1)
-  scale = (hi - lo) / jnp.float32(_LEVELS)
-  # A constant row (scale 0) divides by 1 instead: x - bias is 0 there.
-  safe = jnp.where(scale > 0, scale, jnp.float32(1))
-  codes = jnp.round((x - lo[:, None]) / safe[:, None])
+  span = jnp.max(x, axis=1) - lo
+  # Written as the products XLA would turn the divisions into anyway (it
+  # rewrites a division by a constant or a broadcast into a product with
+  # the reciprocal): this way the arithmetic is what the code says.
+  scale = span * jnp.float32(1 / _LEVELS)
+  # A constant row (span 0) gets inverse 0: all codes 0, read back as bias.
+  inverse = jnp.where(span > 0, jnp.float32(_LEVELS) / span, 0)
+  codes = jnp.round((x - lo[:, None]) * inverse[:, None])
   # f32 rounding can put the row's max a hair above 255, never to 255.5.
   codes = jnp.clip(codes, 0, _LEVELS).astype(jnp.uint8)
   return QuantizedRows(codes, scale, lo)
