@@ -135,6 +135,14 @@ class QuantizedGatherTest(parameterized.TestCase):
     self.assertIn(gather_test.TRITON_CALL, text)
     self.assertIn('name = "pallas_emb_quantized_gather"', text)
 
+  def test_bench_smoke(self):
+    """bench/quantized.py at a tiny size: it checks its int8 gather itself."""
+    from bench import quantized  # pylint: disable=g-import-not-at-top
+    out = quantized.main(["--rows=300", "--width=24", "--tokens=64",
+                          "--reps=1", "--rounds=1", "--backend=interpret"])
+    self.assertEqual(sorted(out["cases"]), ["bfloat16", "float32", "int8"])
+    self.assertGreater(out["int8_over_f32"], 0)
+
 
 if __name__ == "__main__":
   absltest.main()
