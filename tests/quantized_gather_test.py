@@ -47,6 +47,32 @@ def random_rows(seed, vocab, width):
   return codes, scale, bias
 
 
+def np_pool_dequantized(codes, scale, bias, rows, weights, starts):
+  """float32 numpy: per bag, `acc += w * (codes * scale + bias)` in entry
+  order, every operation rounded to float32."""
+  vocab = codes.shape[0]
+  rows = np.clip(np.where(rows < 0, rows + vocab, rows), 0, vocab - 1)
+  out = np.zeros((len(starts) - 1, codes.shape[1]), F32)
+  for m in range(len(starts) - 1):
+    for e in range(starts[m], starts[m + 1]):
+      r = rows[e]
+      values = codes[r].astype(F32) * scale[r] + bias[r]
+      out[m] = out[m] + F32(weights[e]) * values
+  return out
+
+
+def random_bags(seed, vocab, num_bags, max_len):
+  """CSR bags of 0..max_len entries, edge rows, some zero weights."""
+  rng = np.random.default_rng(seed)
+  lengths = rng.integers(0, max_len + 1, num_bags)
+  starts = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+  n = int(starts[-1]) + 2  # trailing entries belong to no bag
+  rows = rng.integers(-vocab - 2, vocab + 3, n).astype(np.int32)
+  weights = rng.standard_normal(n).astype(F32)
+  weights[rng.random(n) < 0.2] = 0.0
+  return rows, weights, starts
+
+
 class QuantizedGatherTest(parameterized.TestCase):
 
   @parameterized.named_parameters(
@@ -93,6 +119,50 @@ class QuantizedGatherTest(parameterized.TestCase):
     for backend in ("xla",) + KERNEL_BACKENDS:
       out = quantize.gather_dequantized(*rows, ids, backend=backend)
       test_util.assert_bits_equal(self, out, want, backend)
+
+  @parameterized.named_parameters(
+      (f"{backend}_w{width}", backend, width)
+      for backend in ("xla",) + KERNEL_BACKENDS
+      for width in (1, 3, 8, 64, 130))
+  def test_pooled_matches_numpy(self, backend, width):
+    codes, scale, bias = random_rows(width, 37, width)
+    rows, weights, starts = random_bags(width, 37, 29, 5)
+    fn = jax.jit(functools.partial(quantize.pool_dequantized, max_len=5,
+                                   backend=backend))
+    out = fn(codes, scale, bias, rows, weights, starts)
+    test_util.assert_bits_equal(
+        self, out,
+        np_pool_dequantized(codes, scale, bias, rows, weights, starts))
+
+  @parameterized.product(
+      backend=KERNEL_BACKENDS,
+      config=(dict(block_rows=1, block_cols=8, num_warps=1),
+              dict(block_rows=16, block_cols=16, num_warps=2),
+              dict(block_rows=4, block_cols=64)),
+      width=(5, 40))
+  def test_pooled_configs_bit_exact_vs_twin(self, backend, config, width):
+    codes, scale, bias = random_rows(3, 50, width)
+    # Row 0 (what a masked lane reads) is NaN: masked lanes must add 0.
+    scale[0] = np.nan
+    rows, weights, starts = random_bags(4, 50, 33, 4)
+    rows[rows % 50 == 0] = 1
+    args = (codes, scale, bias, rows, weights, starts)
+    out = quantized_gather.pool_dequantized(
+        *args, max_len=4,
+        config=quantized_gather.QuantizedGatherConfig(**config),
+        interpret=backend == "interpret")
+    twin = quantize.pool_dequantized_reference(
+        *(jnp.asarray(a) for a in args), max_len=4)
+    test_util.assert_bits_equal(self, out, test_util.as_numpy(twin))
+    self.assertFalse(np.isnan(test_util.as_numpy(out)).any())
+
+  def test_pooled_empty(self):
+    codes, scale, bias = random_rows(0, 5, 4)
+    for backend in ("xla",) + KERNEL_BACKENDS:
+      out = quantize.pool_dequantized(
+          codes, scale, bias, np.zeros(0, np.int32), np.zeros(0, F32),
+          np.zeros(3, np.int32), max_len=2, backend=backend)
+      test_util.assert_bits_equal(self, out, np.zeros((2, 4), F32))
 
   @parameterized.product(width=(1, 3, 8, 16, 64, 130, 512, 4096),
                          num_ids=(1, 1000, 262144))

@@ -1,4 +1,4 @@
-"""Pallas (Triton) kernel: gather int8 rows of a column shard, as f32.
+"""Pallas (Triton) kernels: gather int8 rows of a column shard, as f32.
 
 For a uint8 code shard `[vocab_rows, shard_width]` with per-row f32 `scale`
 and `bias` (`quantize.QuantizedRows`, FBGEMM's fused 8-bit row-wise
@@ -15,6 +15,9 @@ per-row scale / bias are 1-D vectors, the codes are read with offsets
 `rows[:, None] * width + cols[None, :]`. A row of codes is a quarter of an
 f32 row, so a 16-byte access carries 16 codes: tiles are sized for the f32
 output (4 bytes per element), warps so that every thread holds 16 codes.
+
+`pool_dequantized` is the pooled variant (`pool.py`'s layout): one f32
+weighted sum of dequantized rows per bag.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
@@ -35,6 +39,8 @@ from pallas_emb.kernels import common
 _TILE_ELEMENTS = 4096
 _MAX_ROW_COLS = 256
 _MIN_PROGRAMS = 512
+# The pooled kernel holds an f32 accumulator next to the dequantized rows.
+_POOL_TILE_ELEMENTS = 2048
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,7 +49,8 @@ class QuantizedGatherConfig(common.RowTileConfig):
 
 
 def resolve_config(config: QuantizedGatherConfig | None, num_ids: int,
-                   width: int) -> QuantizedGatherConfig:
+                   width: int, tile_elements: int = _TILE_ELEMENTS
+                   ) -> QuantizedGatherConfig:
   """`config` with every None field filled in by the shape heuristic.
 
   The heuristics count codes (1 byte): the floor of one warp holding 16
@@ -54,7 +61,7 @@ def resolve_config(config: QuantizedGatherConfig | None, num_ids: int,
   block_cols = config.block_cols or common.block_cols_for(width, 1,
                                                           _MAX_ROW_COLS)
   block_rows = config.block_rows or common.block_rows_for(
-      num_ids, block_cols, 1, tile_bytes=_TILE_ELEMENTS,
+      num_ids, block_cols, 1, tile_bytes=tile_elements,
       min_programs=_MIN_PROGRAMS, col_blocks=pl.cdiv(width, block_cols))
   num_warps = config.num_warps or common.num_warps_for(
       block_rows * block_cols, 1)
@@ -83,6 +90,17 @@ def _kernel(ids_ref, codes_ref, scale_ref, bias_ref, out_ref, *, num_ids,
   plgpu.store(out_ref.at[dst], values, mask=mask)
 
 
+def _check_rows(codes, scale, bias, what: str) -> None:
+  vocab_rows = codes.shape[0]
+  if codes.dtype != jnp.uint8 or scale.shape != (vocab_rows,) or (
+      bias.shape != (vocab_rows,)):
+    raise ValueError(
+        f"pallas_emb {what}: codes {codes.dtype}{list(codes.shape)}, scale "
+        f"{list(scale.shape)}, bias {list(bias.shape)}; expected uint8 "
+        "[V, S] codes and [V] scale and bias "
+        "(quantize.quantize_rows(table, 'int8')).")
+
+
 def gather_dequantized(codes: jax.Array, scale: jax.Array, bias: jax.Array,
                        ids: jax.Array, *,
                        config: QuantizedGatherConfig | None = None,
@@ -96,13 +114,7 @@ def gather_dequantized(codes: jax.Array, scale: jax.Array, bias: jax.Array,
   """
   vocab_rows, width = codes.shape
   (num_ids,) = ids.shape
-  if codes.dtype != jnp.uint8 or scale.shape != (vocab_rows,) or (
-      bias.shape != (vocab_rows,)):
-    raise ValueError(
-        f"pallas_emb gather_dequantized: codes {codes.dtype}"
-        f"{list(codes.shape)}, scale {list(scale.shape)}, bias "
-        f"{list(bias.shape)}; expected uint8 [V, S] codes and [V] scale and "
-        "bias (quantize.quantize_rows(table, 'int8')).")
+  _check_rows(codes, scale, bias, "gather_dequantized")
   common.check_flat_sizes("gather_dequantized",
                           **{"code shard": codes.shape,
                              "output": (num_ids, width)})
@@ -126,3 +138,89 @@ def gather_dequantized(codes: jax.Array, scale: jax.Array, bias: jax.Array,
     )(ids, codes.reshape(-1), scale.astype(jnp.float32),
       bias.astype(jnp.float32))
   return out.reshape(num_ids, width)
+
+
+# --------------------------------------------------------------------------
+# Pooled: one weighted sum of dequantized rows per bag
+# --------------------------------------------------------------------------
+
+
+def _pool_kernel(starts_ref, rows_ref, weights_ref, codes_ref, scale_ref,
+                 bias_ref, out_ref, *, num_bags, vocab_rows, width, max_len,
+                 block_bags, block_cols, interpret):
+  bags = pl.program_id(0) * block_bags + jnp.arange(block_bags)
+  bag_ok = bags < num_bags
+  start = plgpu.load(starts_ref.at[bags], mask=bag_ok, other=0)
+  end = plgpu.load(starts_ref.at[bags + 1], mask=bag_ok, other=0)
+  cols = pl.program_id(1) * block_cols + jnp.arange(block_cols)
+  col_ok = cols < width
+
+  def add_entry(k, acc):
+    entry = start + k
+    ok = bag_ok & (entry < end)
+    row = plgpu.load(rows_ref.at[entry], mask=ok, other=0)
+    row = common.wrap_and_clamp(row, vocab_rows)
+    weight = plgpu.load(weights_ref.at[entry], mask=ok, other=0.0)
+    scale = plgpu.load(scale_ref.at[row])
+    bias = plgpu.load(bias_ref.at[row])
+    mask = ok[:, None]
+    if width % block_cols:
+      mask = mask & col_ok[None, :]
+    codes = plgpu.load(codes_ref.at[row[:, None] * width + cols[None, :]],
+                       mask=mask, other=0)
+    values = quantize.dequantize(codes, scale[:, None], bias[:, None])
+    # A masked lane adds 0, whatever row 0's scale and bias are.
+    product = common.unfused_product(weight[:, None], values)
+    return acc + jnp.where(ok[:, None], product, 0.0)
+
+  acc = lax.fori_loop(0, max_len, add_entry,
+                      jnp.zeros((block_bags, block_cols), jnp.float32))
+  mask = bag_ok[:, None]
+  if width % block_cols:
+    mask = mask & col_ok[None, :]
+  dst = jnp.where(bag_ok, bags, 0)[:, None] * width + cols[None, :]
+  dst = common.store_offsets(dst, mask, num_bags * width, interpret)
+  plgpu.store(out_ref.at[dst], acc, mask=mask)
+
+
+def pool_dequantized(codes: jax.Array, scale: jax.Array, bias: jax.Array,
+                     rows: jax.Array, weights: jax.Array,
+                     bag_starts: jax.Array, *, max_len: int,
+                     config: QuantizedGatherConfig | None = None,
+                     interpret: bool = False) -> jax.Array:
+  """f32 `[M, S]` weighted sums of dequantized rows of CSR bags.
+
+  `out[m] = sum_e weights[e] * (codes[r] * scale[r] + bias[r])` over the
+  entries `e` of bag m in ascending order (`r = wrap_and_clamp(rows[e])`),
+  accumulated in f32 with every product rounded on its own, like
+  `pool.pool_rows` of an f32 table; the tile is `block_rows` bags by
+  `block_cols` columns. Arguments as `gather_dequantized` and
+  `pool.pool_rows` (`bag_starts` int32 `[M + 1]`, non-decreasing).
+  """
+  vocab_rows, width = codes.shape
+  (num_bags,) = bag_starts.shape
+  num_bags -= 1
+  _check_rows(codes, scale, bias, "pool_dequantized")
+  common.check_flat_sizes("pool_dequantized",
+                          **{"code shard": codes.shape,
+                             "output": (num_bags, width)})
+  if num_bags == 0 or max_len == 0 or rows.shape[0] == 0:
+    return jnp.zeros((num_bags, width), jnp.float32)
+  config = resolve_config(config, num_bags, width, _POOL_TILE_ELEMENTS)
+  kernel = functools.partial(
+      _pool_kernel, num_bags=num_bags, vocab_rows=vocab_rows, width=width,
+      max_len=max_len, block_bags=config.block_rows,
+      block_cols=config.block_cols, interpret=interpret)
+  with common.quiet_triton_deprecation():
+    out = pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((num_bags * width,), jnp.float32),
+        grid=(pl.cdiv(num_bags, config.block_rows),
+              pl.cdiv(width, config.block_cols)),
+        interpret=interpret,
+        compiler_params=plgpu.CompilerParams(num_warps=config.num_warps,
+                                             num_stages=config.num_stages),
+        name="pallas_emb_quantized_pool",
+    )(bag_starts, rows, weights.astype(jnp.float32), codes.reshape(-1),
+      scale.astype(jnp.float32), bias.astype(jnp.float32))
+  return out.reshape(num_bags, width)
