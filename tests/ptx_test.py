@@ -193,31 +193,42 @@ class PtxTest(parameterized.TestCase):
       self.assertEmpty(required - seen,
                        f"row accesses missing from {where}")
 
-  @parameterized.parameters(*WIDTHS)
-  def test_quantized_gather(self, width):
-    """The int8 serving gather: uint8 code rows in, f32 rows out.
+  @parameterized.product(width=WIDTHS, pooled=(False, True))
+  def test_quantized_gather(self, width, pooled):
+    """The int8 serving kernels: uint8 code rows in, f32 rows out.
 
     A code row is `width` bytes, so a thread's contiguous codes are also
     capped by the row's alignment (8 bytes at width 8: the whole row).
     """
     rows = jax.ShapeDtypeStruct((VOCAB,), jnp.float32)
-    (kernel,) = ptx.capture(
-        lambda c, s, b, i: quantize.gather_dequantized(c, s, b, i,
-                                                       backend="pallas"),
-        jax.ShapeDtypeStruct((VOCAB, width), jnp.uint8), rows, rows,
-        jax.ShapeDtypeStruct((TOKENS,), jnp.int32))
-    self.assertEqual(kernel.name, "pallas_emb_quantized_gather")
+    codes = jax.ShapeDtypeStruct((VOCAB, width), jnp.uint8)
+    per_row = {"ids_ref", "scale_ref", "bias_ref", "starts_ref", "rows_ref",
+               "weights_ref"}
+    if pooled:
+      bags = TOKENS // 16
+      (kernel,) = ptx.capture(
+          lambda c, s, b, r, w, st: quantize.pool_dequantized(
+              c, s, b, r, w, st, max_len=16, backend="pallas"),
+          codes, rows, rows, jax.ShapeDtypeStruct((TOKENS,), jnp.int32),
+          jax.ShapeDtypeStruct((TOKENS,), jnp.float32),
+          jax.ShapeDtypeStruct((bags + 1,), jnp.int32))
+    else:
+      (kernel,) = ptx.capture(
+          lambda c, s, b, i: quantize.gather_dequantized(c, s, b, i,
+                                                         backend="pallas"),
+          codes, rows, rows, jax.ShapeDtypeStruct((TOKENS,), jnp.int32))
+    self.assertEqual(kernel.name, "pallas_emb_quantized_pool" if pooled
+                     else "pallas_emb_quantized_gather")
     report = ptx.compile_kernel(kernel)
     logging.info("w=%d %s", width, report.row())
     where = f"width {width}: {report.row()}"
     self.assertEqual(report.spill_bytes, 0, f"spills in {where}")
-    kinds = {"codes_ref": "row", "out_ref": "row", "ids_ref": "per_row",
-             "scale_ref": "per_row", "bias_ref": "per_row"}
     seen = set()
     for access in report.accesses:
-      self.assertIn(access.ref, kinds, f"unclassified ref in {where}")
+      self.assertIn(access.ref, per_row | {"codes_ref", "out_ref"},
+                    f"unclassified ref in {where}")
       seen.add((access.ref, access.op))
-      if kinds[access.ref] != "row":
+      if access.ref in per_row:
         continue
       want = expected_bytes(access, report.num_warps)
       if access.ref == "codes_ref":
@@ -228,7 +239,6 @@ class PtxTest(parameterized.TestCase):
                                 f"expected >= {want} bytes in {where}")
     self.assertEmpty({("codes_ref", "load"), ("out_ref", "store")} - seen,
                      f"row accesses missing from {where}")
-
 
 if __name__ == "__main__":
   absltest.main()
