@@ -7,8 +7,9 @@ Times `kernels.gather_rows` on the f32 table (and its bf16 cast) and
 `quantize.gather_dequantized` on `quantize_rows(table, "int8")` for the same
 ids (median over `--rounds` of the mean of `--reps` queued calls, the cases
 taking turns), after checking that the int8 gather equals
-`dequantize_rows` of the table at those ids bit for bit. Prints one line per table kind and the int8 / f32
-time ratio; `--json_out` gets the same as JSON.
+`dequantize_rows` of the table at those ids bit for bit. Prints one line
+per table kind and the int8 / f32 time ratio; `--json_out` gets the same
+as JSON.
 """
 
 from __future__ import annotations
