@@ -9,8 +9,9 @@
 argument tuple, and writes the leaves of `state` to a numpy `.npz`; `state`
 is any pytree of arrays (a training state, a quantized serving state, a
 dict of dense weights), and `fn` any jit-able function of it. `load` needs
-jax, numpy and pallas_emb only: no flax, optax or orbax, and none of the
-Python classes of `state` (the program takes the flat list of leaves).
+jax, numpy and pallas_emb only (plus flatbuffers, which jax.export's
+serializer imports: the `serve` extra): no flax, optax or orbax, and none of
+the Python classes of `state` (the program takes the flat list of leaves).
 
 One program per batch shape: `EmbeddingCollection.lookup` sizes its
 unique-id buffers from the batch shape while tracing (`min(ids,
@@ -46,6 +47,17 @@ from pallas_emb.errors import InputError
 FORMAT = "pallas_emb.export/1"
 _MANIFEST = "manifest.json"
 _ARRAYS = "state.npz"
+
+
+def _check_serializer(what: str) -> None:
+  """jax.export's (de)serializer needs the flatbuffers package."""
+  try:
+    import flatbuffers  # pylint: disable=g-import-not-at-top,unused-import
+  except ImportError as e:
+    raise ImportError(
+        f"pallas_emb export.{what} needs the flatbuffers package, which "
+        "jax.export serializes programs with; install it with pip install "
+        "'pallas_emb[serve]' (or pip install flatbuffers).") from e
 
 
 def _program_file(i: int) -> str:
@@ -89,6 +101,7 @@ def save(path: str, fn: Callable[..., Any], state: Any,
     platforms: lowering platforms (e.g. ("cpu", "cuda")); default the
       current backend's.
   """
+  _check_serializer("save")
   example_args = [tuple(a) for a in example_args]
   if not example_args:
     raise InputError("pallas_emb export.save example_args is empty; "
@@ -211,6 +224,7 @@ def load(path: str) -> Served:
         f"pallas_emb export.load found no readable {_MANIFEST} in {path!r} "
         f"({e}); expected a directory written by pallas_emb.export.save.") \
         from e
+  _check_serializer("load")
   if manifest.get("format") != FORMAT:
     raise CheckpointError(
         f"pallas_emb export.load {path!r} has format "
