@@ -50,6 +50,7 @@ from jax.sharding import PartitionSpec as P
 import numpy as np
 
 import pallas_emb as pe
+from pallas_emb import quantize
 from pallas_emb.kernels import sparse_update
 from pallas_emb.optimizers import base
 from pallas_emb.testing import ptx
@@ -111,7 +112,7 @@ def update_required(opt) -> set[tuple[str, str]]:
 
 _BYTES = {"b8": 1, "b16": 2, "b32": 4, "b64": 8, "f32": 4, "f16": 2, "u16": 2,
           "s32": 4, "u32": 4, "f64": 8, "u8": 1, "s16": 2, "u64": 8, "s64": 8}
-_ITEMSIZE = {"f32": 4, "bf16": 2, "f16": 2, "i32": 4}
+_ITEMSIZE = {"f32": 4, "bf16": 2, "f16": 2, "i32": 4, "i8": 1}
 SKIP_REASON = ptx.triton_available()
 
 
@@ -192,6 +193,52 @@ class PtxTest(parameterized.TestCase):
       self.assertEmpty(required - seen,
                        f"row accesses missing from {where}")
 
+  @parameterized.product(width=WIDTHS, pooled=(False, True))
+  def test_quantized_gather(self, width, pooled):
+    """The int8 serving kernels: uint8 code rows in, f32 rows out.
+
+    A code row is `width` bytes, so a thread's contiguous codes are also
+    capped by the row's alignment (8 bytes at width 8: the whole row).
+    """
+    rows = jax.ShapeDtypeStruct((VOCAB,), jnp.float32)
+    codes = jax.ShapeDtypeStruct((VOCAB, width), jnp.uint8)
+    per_row = {"ids_ref", "scale_ref", "bias_ref", "starts_ref", "rows_ref",
+               "weights_ref"}
+    if pooled:
+      bags = TOKENS // 16
+      (kernel,) = ptx.capture(
+          lambda c, s, b, r, w, st: quantize.pool_dequantized(
+              c, s, b, r, w, st, max_len=16, backend="pallas"),
+          codes, rows, rows, jax.ShapeDtypeStruct((TOKENS,), jnp.int32),
+          jax.ShapeDtypeStruct((TOKENS,), jnp.float32),
+          jax.ShapeDtypeStruct((bags + 1,), jnp.int32))
+    else:
+      (kernel,) = ptx.capture(
+          lambda c, s, b, i: quantize.gather_dequantized(c, s, b, i,
+                                                         backend="pallas"),
+          codes, rows, rows, jax.ShapeDtypeStruct((TOKENS,), jnp.int32))
+    self.assertEqual(kernel.name, "pallas_emb_quantized_pool" if pooled
+                     else "pallas_emb_quantized_gather")
+    report = ptx.compile_kernel(kernel)
+    logging.info("w=%d %s", width, report.row())
+    where = f"width {width}: {report.row()}"
+    self.assertEqual(report.spill_bytes, 0, f"spills in {where}")
+    seen = set()
+    for access in report.accesses:
+      self.assertIn(access.ref, per_row | {"codes_ref", "out_ref"},
+                    f"unclassified ref in {where}")
+      seen.add((access.ref, access.op))
+      if access.ref in per_row:
+        continue
+      want = expected_bytes(access, report.num_warps)
+      if access.ref == "codes_ref":
+        want = min(want, width & -width)
+      for kind in access.widths:
+        self.assertGreaterEqual(access_bytes(kind), want,
+                                f"{access.op} of {access.ref} is {kind}, "
+                                f"expected >= {want} bytes in {where}")
+    self.assertEmpty({("codes_ref", "load"), ("out_ref", "store")} - seen,
+                     f"row accesses missing from {where}")
 
 if __name__ == "__main__":
   absltest.main()

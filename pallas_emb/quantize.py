@@ -1,0 +1,226 @@
+"""Serving tables: row-wise int8, bfloat16 or float16 copies of a table.
+
+`quantize_rows(table, "int8")` stores each row in FBGEMM's fused 8-bit
+row-wise format semantics: from the row's min and max, with every operation
+rounded to f32,
+
+    span  = max - min
+    scale = span * f32(1 / 255)                          (per row)
+    bias  = min                                          (per row)
+    q     = round((x - bias) * (255 / span))             (uint8, ties to
+                                                          even; 0 if span 0)
+
+and a row is read back as `x' = q * scale + bias` (`dequantize_rows`). With
+u = 2**-24 (f32's unit roundoff) every element satisfies
+
+    |x' - x| <= scale / 2 + 16 * u * max(|min|, |max|)
+
+(the rounding to a code, plus the f32 roundings of the subtraction, the
+reciprocal, the products and the sum: 13 u in all, rounded up). A constant
+row has scale 0, all codes 0 and reads back exactly `bias`. FBGEMM's
+scale is `span / 255` and its inverse `255 / (span + 1e-8)`: its scale can
+differ from ours in the last bit and its codes by one where a value sits on
+a rounding tie (or for spans near 1e-8); bias and the read-back formula are
+the same, so a table quantized by either reads back the same way.
+
+"bfloat16" and "float16" are plain casts (round to nearest even).
+
+Tables are `[V, D]` global arrays, typically column-sharded: the min and max
+are over the full row (XLA reduces across the column shards), so `scale` and
+`bias` are `[V]` (replicated, like row-wise optimizer state) and the codes
+keep the table's column sharding.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from pallas_emb import kernels
+from pallas_emb.errors import InputError
+from pallas_emb.kernels import common
+
+INT8 = "int8"
+SERVING_DTYPES = (INT8, "bfloat16", "float16")
+# Codes span [0, 255]: 255 steps of `scale` from the row's min to its max.
+_LEVELS = 255
+
+
+class QuantizedRows(NamedTuple):
+  """An int8 serving table: codes and the per-row affine map back to f32."""
+  codes: jax.Array  # uint8 [V, D]
+  scale: jax.Array  # f32 [V]
+  bias: jax.Array   # f32 [V]
+
+
+def check_serving_dtype(dtype) -> str:
+  """The serving dtype's name; InputError if it is not one we serve."""
+  name = dtype if isinstance(dtype, str) else None
+  if name is None:
+    try:
+      name = np.dtype(dtype).name
+    except TypeError:
+      name = repr(dtype)
+  if name not in SERVING_DTYPES:
+    raise InputError(
+        f"pallas_emb quantize_rows dtype={dtype!r} is not a serving dtype; "
+        f"expected one of {SERVING_DTYPES}.")
+  return name
+
+
+def _check_table(table) -> None:
+  shape, dtype = np.shape(table), getattr(table, "dtype", None)
+  if len(shape) != 2 or dtype is None or not jnp.issubdtype(dtype,
+                                                             jnp.floating):
+    raise InputError(
+        f"pallas_emb quantize_rows table is "
+        f"{getattr(dtype, 'name', type(table).__name__)}{list(shape)}; "
+        "expected a 2-D float table [vocab_rows, emb_width].")
+
+
+def _quantize_int8(table: jax.Array) -> QuantizedRows:
+  x = table.astype(jnp.float32)
+  lo = jnp.min(x, axis=1)
+  span = jnp.max(x, axis=1) - lo
+  # Written as the products XLA would turn the divisions into anyway (it
+  # rewrites a division by a constant or a broadcast into a product with
+  # the reciprocal): this way the arithmetic is what the code says.
+  scale = span * jnp.float32(1 / _LEVELS)
+  # A constant row (span 0) gets inverse 0: all codes 0, read back as bias.
+  inverse = jnp.where(span > 0, jnp.float32(_LEVELS) / span, 0)
+  codes = jnp.round((x - lo[:, None]) * inverse[:, None])
+  # f32 rounding can put the row's max a hair above 255, never to 255.5.
+  codes = jnp.clip(codes, 0, _LEVELS).astype(jnp.uint8)
+  return QuantizedRows(codes, scale, lo)
+
+
+def quantize_rows(table: jax.Array, dtype: str):
+  """A serving copy of `table` ([V, D], f32 or bf16); see the module doc.
+
+  Returns `QuantizedRows` for "int8", else the table cast to `dtype`. Works
+  under jit (then a non-finite row reads back as NaN: its min, max or range
+  is not finite). Called on a concrete array, the codes keep its
+  sharding, `scale` and `bias` are replicated over its mesh, and a table
+  with a non-finite value, or a row whose max - min overflows f32, is
+  rejected with InputError.
+  """
+  name = check_serving_dtype(dtype)
+  _check_table(table)
+  if name != INT8:
+    return jnp.asarray(table).astype(name)
+  if isinstance(table, jax.core.Tracer):
+    return _quantize_int8(table)
+  table = jnp.asarray(table)
+  sharding = table.sharding
+  if isinstance(sharding, NamedSharding):
+    rows = NamedSharding(sharding.mesh, P())
+    out = jax.jit(_quantize_int8, out_shardings=QuantizedRows(
+        sharding, rows, rows))(table)
+  else:
+    out = jax.jit(_quantize_int8)(table)
+  _check_finite(table, out)
+  return out
+
+
+def _check_finite(table: jax.Array, out: QuantizedRows) -> None:
+  bad = ~(jnp.isfinite(out.scale) & jnp.isfinite(out.bias))
+  count = int(jnp.sum(bad))
+  if not count:
+    return
+  row = int(jnp.argmax(bad))
+  values = bool(jnp.all(jnp.isfinite(table[row])))
+  why = ("its max - min overflows float32" if values else
+         "it holds a NaN or an infinity")
+  raise InputError(
+      f"pallas_emb quantize_rows: {count} table rows cannot be quantized "
+      f"to int8 (first: row {row}, {why}); expected finite rows whose "
+      "max - min is a finite float32. Fix or clip those rows first.")
+
+
+def dequantize(codes: jax.Array, scale: jax.Array,
+               bias: jax.Array) -> jax.Array:
+  """`codes * scale + bias` in f32, the product rounded on its own.
+
+  `scale` and `bias` broadcast against `codes` (e.g. `[N, 1]` against
+  `[N, S]`). The product is never contracted into an FMA (see
+  `common.unfused_product`), so the kernel and the twin agree bit for bit.
+  """
+  return common.unfused_product(codes.astype(jnp.float32), scale) + bias
+
+
+def dequantize_rows(rows: QuantizedRows) -> jax.Array:
+  """The f32 `[V, D]` table a `QuantizedRows` reads back as."""
+  return dequantize(rows.codes, rows.scale[:, None], rows.bias[:, None])
+
+
+def gather_dequantized_reference(codes: jax.Array, scale: jax.Array,
+                                 bias: jax.Array,
+                                 ids: jax.Array) -> jax.Array:
+  """Twin of `quantized_gather.gather_dequantized` (the xla backend).
+
+  `[N, S]` f32 rows `codes[r] * scale[r] + bias[r]`, r the id wrapped once
+  and clamped into the table, for a `[V, S]` uint8 column shard.
+  """
+  rows = common.wrap_and_clamp(ids, codes.shape[0])
+  return dequantize(jnp.take(codes, rows, axis=0, mode="clip"),
+                    jnp.take(scale, rows, mode="clip")[:, None],
+                    jnp.take(bias, rows, mode="clip")[:, None])
+
+
+def pool_dequantized_reference(codes, scale, bias, rows, weights,
+                               bag_starts, *, max_len: int) -> jax.Array:
+  """Twin of `quantized_gather.pool_dequantized`: the same sums in the same
+  order (one gather per entry position `k < max_len`, added in order), so
+  it equals the kernel bit for bit."""
+  vocab_rows, width = codes.shape
+  num_bags = bag_starts.shape[0] - 1
+  if num_bags == 0 or max_len == 0 or rows.shape[0] == 0:
+    return jnp.zeros((num_bags, width), jnp.float32)
+  start, end = bag_starts[:-1], bag_starts[1:]
+  weights = weights.astype(jnp.float32)
+  rows = common.wrap_and_clamp(rows, vocab_rows)
+
+  def add_entry(k, acc):
+    entry = start + k
+    ok = entry < end
+    entry = jnp.where(ok, entry, 0)
+    row = jnp.take(rows, entry, mode="clip")
+    values = dequantize(jnp.take(codes, row, axis=0, mode="clip"),
+                        jnp.take(scale, row, mode="clip")[:, None],
+                        jnp.take(bias, row, mode="clip")[:, None])
+    product = common.unfused_product(
+        jnp.take(weights, entry, mode="clip")[:, None], values)
+    return acc + jnp.where(ok[:, None], product, 0.0)
+
+  return lax.fori_loop(0, max_len, add_entry,
+                       jnp.zeros((num_bags, width), jnp.float32),
+                       unroll=min(max_len, 8))
+
+
+def gather_dequantized(codes, scale, bias, ids, *, backend: str,
+                       config=None) -> jax.Array:
+  """Dispatch on the backend like `kernels.gather_rows` (see module doc)."""
+  if not kernels._pallas(backend):  # pylint: disable=protected-access
+    return gather_dequantized_reference(codes, scale, bias, ids)
+  from pallas_emb.kernels import quantized_gather  # pylint: disable=g-import-not-at-top
+  return quantized_gather.gather_dequantized(
+      codes, scale, bias, ids, config=config,
+      interpret=backend == "interpret")
+
+
+def pool_dequantized(codes, scale, bias, rows, weights, bag_starts, *,
+                     max_len: int, backend: str, config=None) -> jax.Array:
+  """Dispatch on the backend like `kernels.pool_rows`."""
+  if not kernels._pallas(backend):  # pylint: disable=protected-access
+    return pool_dequantized_reference(codes, scale, bias, rows, weights,
+                                      bag_starts, max_len=max_len)
+  from pallas_emb.kernels import quantized_gather  # pylint: disable=g-import-not-at-top
+  return quantized_gather.pool_dequantized(
+      codes, scale, bias, rows, weights, bag_starts, max_len=max_len,
+      config=config, interpret=backend == "interpret")
