@@ -30,6 +30,7 @@ from pallas_emb.optimizers import RowwiseAdagradState
 from pallas_emb.optimizers import Sgd
 from pallas_emb.optimizers import SgdState
 from pallas_emb.optimizers import SparseOptimizer
+from pallas_emb.hashing import hash_ids
 from pallas_emb.pipeline import PipelineState
 from pallas_emb.pipeline import StepMetrics
 from pallas_emb.pipeline import Trainer
@@ -105,6 +106,7 @@ __all__ = [
     "count_out_of_range",
     "dedup",
     "default_num_unique",
+    "hash_ids",
     "lookup",
     "lookup_and_dedup",
     "make_context",
