@@ -52,7 +52,7 @@ from pallas_emb.state import StackState
 
 
 class EmbeddingCollection:
-  """Tables and features sharing one exchange per stack (DESIGN §10).
+  """Tables and features sharing one exchange per stack.
 
   Args:
     tables: the `TableSpec`s (unique names).
@@ -70,7 +70,7 @@ class EmbeddingCollection:
       None: each kernel's shape heuristic). The Trainer and the layers use
       the collection's.
 
-  Layout rules 1-3 and 5 of DESIGN §2 are checked here; rule 4 (the batch
+  Layout rules 1-3 and 5 (validation.py) are checked here; rule 4 (the batch
   shards evenly) at each call, naming the feature.
   """
 

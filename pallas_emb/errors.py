@@ -11,7 +11,7 @@ class Error(ValueError):
 
 
 class ShardingError(Error):
-  """A layout that breaks the sharding contract (DESIGN §2): mesh axes,
+  """A layout that breaks the sharding contract: mesh axes,
   token shards per rank, even division of tokens or columns, placements."""
 
 

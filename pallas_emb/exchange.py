@@ -1,4 +1,4 @@
-"""The collectives of the column-sharded layout (DESIGN §3, §4.1).
+"""The collectives of the column-sharded layout.
 
 Everything here runs per rank, inside `shard_map` over the context's mesh;
 `shard` builds that `shard_map`. With W = group_size, T = tokens_per_rank and

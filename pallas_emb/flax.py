@@ -1,4 +1,4 @@
-"""Flax linen layers and their sparse trainer (DESIGN §8).
+"""Flax linen layers and their sparse trainer.
 
     from pallas_emb import flax as pe_flax
 

@@ -1,4 +1,4 @@
-"""Haiku layers (DESIGN §8): `from pallas_emb import haiku as pe_haiku`.
+"""Haiku layers: `from pallas_emb import haiku as pe_haiku`.
 
 `Embed` is a drop-in for `haiku.Embed` whose table is column-sharded;
 `EmbeddingCollection` wraps a `pallas_emb.EmbeddingCollection` as a module

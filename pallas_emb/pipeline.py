@@ -1,4 +1,4 @@
-"""The pipelined (one-step-stale) train step over a collection (DESIGN §6).
+"""The pipelined (one-step-stale) train step over a collection.
 
 In step t the dense model runs forward and backward on embeddings that were
 looked up in step t-1, while the embedding update staged in step t-1 is

@@ -1,4 +1,4 @@
-"""Host-side padding of ragged bags for pooled features (DESIGN §11)."""
+"""Host-side padding of ragged bags for pooled features."""
 
 from __future__ import annotations
 

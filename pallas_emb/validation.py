@@ -1,9 +1,9 @@
-"""The sharding contract (DESIGN §2), checked in plain Python before tracing.
+"""The sharding contract, checked in plain Python before tracing.
 
 `make_context` turns a mesh and a few sizes into an `EmbeddingContext`, a
 frozen, hashable description of how the table and the tokens are laid out. It
 is the only place that decides whether a layout is legal, so every rule raises
-here, with the sentence DESIGN §2 fixes, followed by how to fix it.
+here, with the sentence the contract fixes, followed by how to fix it.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from pallas_emb.errors import ShardingError
 
 AxisNames = tuple[str, ...]
 
-# The kernel implementations `backend=` chooses between (DESIGN §7).
+# The kernel implementations `backend=` chooses between.
 BACKENDS = ("pallas", "interpret", "xla")
 TABLE_DTYPES = ("float32", "bfloat16")
 
@@ -121,7 +121,7 @@ def check_single_shard_per_rank(mesh, table_axis, data_axis) -> None:
 
 def check_layout(mesh, table_axis, data_axis, replica_axis, caller: str
                  ) -> tuple[AxisNames, AxisNames, AxisNames]:
-  """Rules 1-3 of DESIGN §2 (and the axis names' own sanity), in order.
+  """Layout rules 1-3 (and the axis names' own sanity), in order.
 
   Returns the axes as tuples; `data_axis=None` means table_axis.
   """

@@ -46,7 +46,7 @@ def np_round(x, dtype):
 
 def np_adagrad(table, row_state, last_step, tokens, grad_accum, row_sq,
                apply, step, lr, hp):
-  """DESIGN §4.5 one slot at a time, in float32 scalars."""
+  """Row-wise Adagrad, one slot at a time, in float32 scalars."""
   table, row_state = table.copy(), row_state.copy()
   last_step = None if last_step is None else last_step.copy()
   vocab_rows = table.shape[0]

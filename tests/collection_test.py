@@ -1,8 +1,8 @@
-"""EmbeddingCollection against a numpy model of a whole collection (DESIGN §10).
+"""EmbeddingCollection against a numpy model of a whole collection.
 
 The model knows nothing of stacks, offsets or ranks: every feature looks its
 ids up in its own logical table (wrap once, clamp), and an update step is,
-per table, DESIGN §4's row-wise Adagrad on the summed gradients of all the
+per table, row-wise Adagrad on the summed gradients of all the
 features that read the table (numpy_model.Adagrad on their concatenated ids
 and gradients).
 """

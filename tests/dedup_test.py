@@ -1,4 +1,4 @@
-"""dedup against the numpy model of DESIGN §5, with and without jit."""
+"""dedup against the numpy model of the dedup rule, with and without jit."""
 
 import functools
 

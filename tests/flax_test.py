@@ -5,7 +5,7 @@ Models the tests compare against (never pallas_emb itself):
     in-range ids, the same gradients under plain `jax.grad`;
   * numpy `table[ids]` for the collection module's lookups;
   * the TwoTower model on `nn.Embed` trained with `jax.grad`, its tables
-    updated by DESIGN §4.5's row-wise Adagrad in jnp on the dense table
+    updated by row-wise Adagrad in jnp on the dense table
     gradient (one step late when pipelined), for FlaxTrainer;
   * `pallas_emb.Trainer` on the same collection (bit for bit) for FlaxTrainer
     over an `EmbeddingCollection` module.
@@ -402,7 +402,7 @@ def make_batches(mesh, steps=STEPS + 1):
 
 
 def dense_rowwise_adagrad(opt, table, row_state, grad, ids, padding_id=None):
-  """DESIGN §4.5, eager mode, on a dense [vocab, width] gradient (f32)."""
+  """Row-wise Adagrad, eager mode, on a dense [vocab, width] gradient (f32)."""
   hp = opt.hparams(table.shape[1])
   present = jnp.zeros(table.shape[0], bool).at[ids].set(True)
   if padding_id is not None:

@@ -36,7 +36,7 @@ INT32_MIN, INT32_MAX = -2**31, 2**31 - 1
 
 
 def np_gather(table, ids):
-  """DESIGN §3: wrap a negative id once, clamp into the table, copy the row."""
+  """The lookup rule: wrap a negative id once, clamp into the table, copy the row."""
   ids = np.asarray(ids, np.int64)
   rows = np.where(ids < 0, ids + table.shape[0], ids)
   return table[np.clip(rows, 0, table.shape[0] - 1)]

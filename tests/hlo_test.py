@@ -172,6 +172,29 @@ class HloTest(parameterized.TestCase):
                      r"\(0, \{\}")
 
   @parameterized.named_parameters(*_named(
+      ranks=(1, 8), dtype=("float32", "bfloat16")))
+  def test_single_table_step_with_a_linear_loss(self, ranks, dtype):
+    """The single-table API's one-all-gather step (`lookup_and_dedup`): the
+    dedup is ordered after the lookup's reads, so a loss whose gradients do
+    not read the embeddings leaves no table copy either."""
+    backend = hlo_backend()
+    ctx, opt, table, batch = setup(ranks, dtype)
+    state = opt.init(ctx, table)
+
+    @functools.partial(jax.jit, donate_argnums=(0, 1))
+    def step(table, state, ids):
+      emb, result = pe.lookup_and_dedup(ctx, table, ids, backend=backend)
+      loss, grads = jax.value_and_grad(
+          lambda e: jnp.sum(e.astype(jnp.float32)))(emb)
+      table, state, _ = pe.apply_gradients(ctx, opt, table, state, grads,
+                                           result, backend=backend)
+      return table, state, loss
+
+    text = step.lower(table, state, batch["ids"]).compile().as_text()
+    self.check(text, dtype, backend,
+               f"single-table step, linear loss, ranks={ranks} {dtype}")
+
+  @parameterized.named_parameters(*_named(
       ranks=(1, 8), dtype=("float32", "bfloat16"), pipelined=(True, False),
       lazy=(False, True)))
   def test_trainer_step(self, ranks, dtype, pipelined, lazy):

@@ -1,4 +1,4 @@
-"""lookup against a numpy model of DESIGN §3, on every backend and layout."""
+"""lookup against a numpy model of the lookup rule, on every backend and layout."""
 
 import functools
 import re
@@ -32,7 +32,7 @@ LAYOUTS = {
 
 
 def model_lookup(table: np.ndarray, ids: np.ndarray) -> np.ndarray:
-  """DESIGN §3: wrap a negative id once, clamp, copy the row."""
+  """The lookup rule: wrap a negative id once, clamp, copy the row."""
   rows = np.where(ids < 0, ids + table.shape[0], ids)
   return table[np.clip(rows, 0, table.shape[0] - 1)]
 

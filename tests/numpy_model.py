@@ -1,4 +1,4 @@
-"""An independent numpy model of DESIGN §4-§5 (dedup and row-wise Adagrad).
+"""An independent numpy model of dedup and row-wise Adagrad.
 
 Written from the design text alone, over the *global* batch: no sharding,
 no routing. bf16 rounding points use ml_dtypes.
@@ -40,7 +40,7 @@ def dedup(ids, num_unique, vocab_rows, padding_id=0):
 
 
 class Adagrad:
-  """The optimizer state and one `step` of DESIGN §4."""
+  """The optimizer state and one `step` of row-wise Adagrad."""
 
   def __init__(self, table, lr, eps=1e-10, init_acc=0.0, half_life=None,
                weight_decay=0.0, lazy=False):
@@ -100,7 +100,7 @@ BF16 = ml_dtypes.bfloat16
 
 
 # ---------------------------------------------------------------------------
-# The optimizer family of DESIGN §12, from the published update rules.
+# The sparse optimizer family, from the published update rules.
 #
 # Each model keeps the table and its state in numpy over the *global* batch
 # (no sharding) and updates, per step, the rows the batch gave a gradient
@@ -109,7 +109,7 @@ BF16 = ml_dtypes.bfloat16
 # at a time. bf16 tables: the gradient is rounded to the table dtype (what
 # a bf16 table's gradient is), the state stays float32, an additive update
 # is rounded to the table dtype before it is added and the sum once more
-# (the rounding points of DESIGN §4.5); FTRL recomputes the weight, rounded
+# (the rounding points of the row-wise Adagrad update); FTRL recomputes the weight, rounded
 # once.
 # ---------------------------------------------------------------------------
 

@@ -1,4 +1,4 @@
-"""apply_gradients (and RowwiseAdagrad) against the numpy model of DESIGN §4."""
+"""apply_gradients (and RowwiseAdagrad) against the numpy model."""
 
 import functools
 
@@ -181,7 +181,7 @@ class ApplyGradientsTest(parameterized.TestCase):
     ctx, table, opt, rng = make(4, 4, 32, dtype=test_util.BF16)
     target = rng.standard_normal((32, 16)).astype(np.float32)
     # In range only: lookup clamps an id past the end onto the last row, but
-    # the sparse update skips it (DESIGN §3 vs §4.4), so dense would differ.
+    # the sparse update skips it (lookup clamps it), so dense would differ.
     id_batches = [batch(rng, 32, zipf=False) % VOCAB for _ in range(5)]
 
     def loss(t, ids):

@@ -1,4 +1,4 @@
-"""The sparse optimizer family (DESIGN §12) against numpy models and optax.
+"""The sparse optimizer family against numpy models and optax.
 
 Each optimizer trains through `pe.apply_gradients` (dedup, routing,
 segment sum, the fused update) on 1-8 ranks, f32 and bf16 tables, on every

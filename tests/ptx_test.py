@@ -81,7 +81,7 @@ REQUIRED = {
     "pallas_emb_segment_sum": {("grads_ref", "load"), ("pieces_ref", "load"),
                                ("accum_ref", "store")},
 }
-# Every optimizer's update kernel (DESIGN §12), one per kernel name.
+# Every optimizer's update kernel, one per kernel name.
 OPTIMIZERS = (
     pe.RowwiseAdagrad(0.1),
     pe.RowwiseAdagrad(0.1, half_life_steps=100.0, weight_decay=1e-4,

@@ -136,7 +136,7 @@ class PooledModel:
           all_grads.append(g.reshape(-1, g.shape[-1]))
           continue
         ids, _ = inputs[name]
-        # The entry gradient w' * g, rounded in f32 as DESIGN §11's
+        # The entry gradient w' * g, rounded in f32 as the pooled features'
         # backward computes it (the sums over entries are the model's).
         w = self.weights(name, inputs, np.float32)
         g = np.asarray(grads[name], np.float32)

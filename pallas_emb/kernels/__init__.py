@@ -91,7 +91,7 @@ def segment_sum_rows(grads, segment_ids, num_segments: int, *, round_dtype,
 def adagrad_apply(table, row_state, last_step, unique_tokens, grad_accum,
                   row_sq, apply, step, learning_rate, *, hparams,
                   backend: str, config=None):
-  """The row-wise Adagrad update of DESIGN §4.5 on the rows a batch used.
+  """The row-wise Adagrad update on the rows a batch used.
 
   Returns `(table, row_state, last_step)`; `last_step` is None in eager mode.
   """
@@ -110,7 +110,7 @@ def adagrad_apply(table, row_state, last_step, unique_tokens, grad_accum,
 def sparse_update_rows(rule, table, row_state, element_state,
                        unique_tokens, grad_accum, row_sq, apply, step,
                        scalars, *, emb_width, backend: str, config=None):
-  """An optimizer's fused update of the rows a batch used (DESIGN §12).
+  """An optimizer's fused update of the rows a batch used.
 
   `rule` is the optimizer's `sparse_update.UpdateRule`; returns `(table,
   row_state, element_state)`, the states as tuples in the rule's order.
@@ -132,7 +132,7 @@ def pool_rows(table, rows, weights, bag_starts, *, max_len: int,
   """`[M, S]` f32-accumulated weighted sums of the rows of CSR bags.
 
   Bag m holds the entries `[bag_starts[m], bag_starts[m + 1])` (at most
-  `max_len`); the result is rounded once to the table dtype (DESIGN §11).
+  `max_len`); the result is rounded once to the table dtype.
   """
   if not _pallas(backend):
     return reference.pool_rows(table, rows, weights, bag_starts,

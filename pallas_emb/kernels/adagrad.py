@@ -1,4 +1,4 @@
-"""The fused sparse row-wise Adagrad update (DESIGN §4.5), in place.
+"""The fused sparse row-wise Adagrad update, in place.
 
 Row-wise Adagrad is one rule (`common.AdagradRule`: the arithmetic of
 `common.adagrad_row_update` / `common.adagrad_new_values`, shared with the

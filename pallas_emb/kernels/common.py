@@ -38,13 +38,13 @@ TRITON_DEPRECATION = (r"The Pallas Triton backend is deprecated and will be "
 
 
 def wrap_and_clamp(ids: jax.Array, vocab_rows: int) -> jax.Array:
-  """DESIGN §3: a negative id is wrapped once, then clamped into the table."""
+  """A negative id is wrapped once, then clamped into the table."""
   ids = jnp.where(ids < 0, ids + vocab_rows, ids)
   return jnp.clip(ids, 0, vocab_rows - 1)
 
 
 def wrap_once(ids: jax.Array, vocab_rows: int) -> jax.Array:
-  """DESIGN §4: a negative unique token is wrapped once (not clamped)."""
+  """A negative unique token is wrapped once (not clamped)."""
   return jnp.where(ids < 0, ids + vocab_rows, ids)
 
 
@@ -264,7 +264,7 @@ def unfused_product(x: jax.Array, y: jax.Array) -> jax.Array:
 
 def adagrad_row_update(row_state, last_step, row_sq, step, learning_rate,
                        hparams):
-  """Per-row part of DESIGN §4.5: `(accum, wd, lr_scale)`, all f32.
+  """Per-row part of row-wise Adagrad: `(accum, wd, lr_scale)`, all f32.
 
   Shared by the kernel body and its twin so both evaluate the same
   expressions in the same order. `last_step` is None in eager mode.
@@ -297,7 +297,7 @@ def adagrad_new_values(values, wd, lr_scale, grad, dtype) -> jax.Array:
 
 @dataclasses.dataclass(frozen=True)
 class AdagradRule:
-  """Row-wise Adagrad (DESIGN §4.5) as a `sparse_update.UpdateRule`.
+  """Row-wise Adagrad as a `sparse_update.UpdateRule`.
 
   Row-wise state `row_state` (+ `last_step` in lazy mode), no element-wise
   state; the one scalar is the learning rate. A row without gradient is

@@ -7,7 +7,7 @@ Program `(i, j)` copies the `[block_rows, block_cols]` tile of rows
 into column blocks (the tile stays in registers), narrow ones get many rows
 per block (a warp then covers several rows with 16-byte vector accesses).
 
-Row access pattern (DESIGN §7): the per-row mask lives on 1-D vectors and
+Row access pattern: the per-row mask lives on 1-D vectors and
 the offsets are `rows[:, None] * width + cols[None, :]`, so Triton sees
 `block_cols` contiguous, `width`-aligned elements per row and emits v2/v4
 loads and stores. Ids are wrapped and clamped into the table, so every

@@ -7,7 +7,7 @@ import dataclasses
 
 @dataclasses.dataclass(frozen=True)
 class AdagradHParams:
-  """The derived constants of DESIGN §4.5 (all Python floats, static).
+  """The derived constants of row-wise Adagrad (Python floats, static).
 
   eager: `factor = decay_factor`, `wd = weight_decay_factor` on rows with a
   gradient. lazy: `factor = exp(-accum_decay_rate * delta)`,

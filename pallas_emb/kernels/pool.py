@@ -6,7 +6,7 @@ entries `[bag_starts[m], bag_starts[m + 1])`, at most `max_len` of them):
 
     out[m] = round(sum_e weights[e] * f32(table[rows[e]]))     (e ascending)
 
-accumulated in f32 and rounded once to the table dtype (DESIGN §11). This is
+accumulated in f32 and rounded once to the table dtype. This is
 what lets a pooled feature send one row per example through the all-to-all
 instead of one per id.
 
@@ -14,7 +14,7 @@ Program `(i, j)` owns `block_bags` bags and `block_cols` columns; it walks
 the bags' entries in lock step (`k = 0 .. max_len - 1`): per step one id and
 one weight per bag (1-D vectors, masked per bag where the bag is shorter)
 and a `[block_bags, block_cols]` tile of rows, with the offsets
-`rows[:, None] * width + cols[None, :]` (DESIGN §7: vectorized row reads).
+`rows[:, None] * width + cols[None, :]` (the GPU kernel rules: vectorized row reads).
 Each bag is summed by one program in entry order, so the result is
 deterministic and equals the jnp twin bit for bit; the products are rounded
 on their own (`common.unfused_product`) so no backend contracts them into

@@ -1,6 +1,6 @@
 """Pallas (Triton) kernel: one fused sparse optimizer update, in place.
 
-Every sparse optimizer (DESIGN §12) runs through this one kernel. What
+Every sparse optimizer runs through this one kernel. What
 differs between them is an *update rule* (see `UpdateRule`): the names of
 its row-wise state (`[V]`, one value per row, e.g. Adagrad's row
 accumulator), of its element-wise state (`[V, S]`, laid out as the table

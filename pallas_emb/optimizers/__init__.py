@@ -1,4 +1,4 @@
-"""The fused sparse optimizers (DESIGN §12), one module each.
+"""The fused sparse optimizers, one module each.
 
 Write your own: subclass `base.SparseOptimizer` in one small file (its
 hyper-parameters, its state NamedTuple and `slots()`, and the per-row math

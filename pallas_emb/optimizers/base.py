@@ -1,4 +1,4 @@
-"""What every fused sparse optimizer shares (DESIGN §12).
+"""What every fused sparse optimizer shares.
 
 An optimizer is a frozen, hashable dataclass of hyper-parameters that
 subclasses `SparseOptimizer` and says three things:
@@ -58,7 +58,7 @@ def add_rounded(values: jax.Array, delta: jax.Array, dtype) -> jax.Array:
   """`values + R(delta)` (f32; the kernel rounds the sum to `dtype`).
 
   The rounding points of an additive update on a bf16 table, as row-wise
-  Adagrad's (DESIGN §4.5): the update is rounded to the table dtype before
+  Adagrad's: the update is rounded to the table dtype before
   it is added, the sum once more; identities for an f32 table.
   """
   return values + round_to(delta, dtype)

@@ -1,4 +1,4 @@
-"""Row-wise Adagrad (DESIGN §4): one f32 accumulator per row.
+"""Row-wise Adagrad: one f32 accumulator per row.
 
 The math is `kernels.common.AdagradRule` (`adagrad_row_update` /
 `adagrad_new_values`), which the row-wise Adagrad kernel entry point
@@ -57,7 +57,7 @@ class RowwiseAdagrad(base.SparseOptimizer):
   state_type: ClassVar[type] = RowwiseAdagradState
   # §4: a row in the batch without gradient still decays its accumulator.
   updates_zero_rows: ClassVar[bool] = True
-  # The kernel's name since DESIGN §4 (profiles, tests look for it).
+  # The kernel's historical name (profiles and tests look for it).
   kernel_name: ClassVar[str] = "pallas_emb_adagrad"
 
   def __post_init__(self):
@@ -88,7 +88,7 @@ class RowwiseAdagrad(base.SparseOptimizer):
                "decay there is nothing to apply lazily; use lazy=False.")
 
   def hparams(self, emb_width: int) -> AdagradHParams:
-    """The static constants the kernels use (DESIGN §4.5)."""
+    """The static constants the kernels use."""
     half_life = self.half_life_steps
     return AdagradHParams(
         eps=float(self.eps),
