@@ -152,7 +152,6 @@ def _host_checksum(x: np.ndarray) -> np.ndarray:
     return _sums(np, words, index)
 
 
-@jax.jit
 def _device_checksum(x: jax.Array) -> jax.Array:
   """`_checksum` of a (sharded) jax array, computed where it lives."""
   if jnp.issubdtype(x.dtype, jnp.complexfloating):
@@ -179,11 +178,9 @@ def _device_checksum(x: jax.Array) -> jax.Array:
   return _sums(jnp, words, index)
 
 
-def _start_checksum(x):
-  """The checksum of leaf `x`, started (a device array) or done (numpy)."""
-  if isinstance(x, jax.Array):
-    return _device_checksum(x)
-  return _host_checksum(np.asarray(x))
+# One program per device set sums every array of a save or restore: one
+# compilation instead of one per leaf shape.
+_device_checksums = jax.jit(lambda xs: [_device_checksum(x) for x in xs])
 
 
 def _finish_checksum(c) -> np.ndarray:
@@ -194,9 +191,23 @@ def _finish_checksum(c) -> np.ndarray:
 
 
 def _checksums(leaves) -> list[np.ndarray]:
-  """Checksums of `leaves`; every device computation starts before the first
-  result is awaited."""
-  return [_finish_checksum(c) for c in [_start_checksum(x) for x in leaves]]
+  """Checksums of `leaves`: jax arrays on their devices (one program per set
+  of devices, all started before any result is awaited), the rest on the
+  host."""
+  out = [None] * len(leaves)
+  groups = {}
+  for i, x in enumerate(leaves):
+    if isinstance(x, jax.Array):
+      devices = tuple(sorted(d.id for d in x.sharding.device_set))
+      groups.setdefault(devices, []).append(i)
+    else:
+      out[i] = _host_checksum(np.asarray(x))
+  started = [(idx, _device_checksums([leaves[i] for i in idx]))
+             for idx in groups.values()]
+  for idx, sums in started:
+    for i, c in zip(idx, sums):
+      out[i] = _finish_checksum(c)
+  return out
 
 
 # --- save --------------------------------------------------------------------
