@@ -25,11 +25,11 @@ refused by `restore`. `save` blocks until the step is committed.
 
 Integrity: every saved array and scalar carries a 64-bit checksum (two
 position-dependent sums of a bijective 32-bit mix of each element's bits,
-see `_checksum`), computed on device over the sharded global array and stored
+see `_sums`), computed on device over the sharded global array and stored
 in the same orbax commit. `restore` recomputes it over what it read, so a
 changed byte, a truncated, missing or unreadable file, or damaged metadata is
-a `CheckpointError` naming the step, the array and what is wrong, never wrong
-values. The sums do not depend on the sharding, so a step saved over 8
+a `CheckpointError` naming the step, the array (where orbax says which) and
+what is wrong, never wrong values. The sums do not depend on the sharding, so a step saved over 8
 devices verifies when restored over 2. A checkpoint written before checksums
 existed restores unverified, with a logged warning. `save` deletes stale
 `*.orbax-checkpoint-tmp*` directories in `directory` (left by a crash mid-save;
@@ -136,7 +136,7 @@ def _bit_width(dtype) -> int:
 
 
 def _host_checksum(x: np.ndarray) -> np.ndarray:
-  """`_checksum` of a host array (any numpy dtype, 64-bit ones included)."""
+  """`_sums` of a host array (any numpy dtype, 64-bit ones included)."""
   x = np.ascontiguousarray(x)
   if x.dtype.kind == "c":
     x = np.stack([x.real, x.imag], -1)
@@ -153,7 +153,7 @@ def _host_checksum(x: np.ndarray) -> np.ndarray:
 
 
 def _device_checksum(x: jax.Array) -> jax.Array:
-  """`_checksum` of a (sharded) jax array, computed where it lives."""
+  """`_sums` of a (sharded) jax array, computed where it lives."""
   if jnp.issubdtype(x.dtype, jnp.complexfloating):
     x = jnp.stack([x.real, x.imag], -1)
   size = np.dtype(x.dtype).itemsize
@@ -251,10 +251,22 @@ def _remove_stale_tmp(root) -> None:
       p.rmtree() if p.is_dir() else p.unlink()
 
 
+def _causes(e: BaseException) -> list[BaseException]:
+  """`e` and the exceptions it was raised from, outermost first."""
+  chain = []
+  while e is not None and e not in chain:
+    chain.append(e)
+    e = e.__cause__ or e.__context__
+  return chain
+
+
 def _reason(e: BaseException) -> str:
-  """The first part of an orbax/tensorstore error, without its spec dump."""
-  text = str(e).split(" [tensorstore_spec=")[0].strip().splitlines()
-  text = text[0] if text else type(e).__name__
+  """The innermost orbax/tensorstore error (tensorstore's own status, e.g.
+  "NOT_FOUND: ..."), without the spec dump orbax appends."""
+  text = str(_causes(e)[-1])
+  for cut in (" [tensorstore_spec=", " See full TensorStore details"):
+    text = text.split(cut)[0]
+  text = (text.strip().splitlines() or [type(e).__name__])[0]
   return text if len(text) <= 300 else text[:297] + "..."
 
 
@@ -390,7 +402,10 @@ def _metadata(ckptr, path):
   meta = getattr(meta, "item_metadata", meta)
   meta = getattr(meta, "tree", meta)
   if not isinstance(meta, dict):
-    raise _damaged(path, "its metadata holds no tree of arrays")
+    # Orbax logs and returns nothing when _METADATA is missing or empty.
+    raise _damaged(path, "its metadata cannot be read (orbax found no tree "
+                   "of arrays: _METADATA or the array index is missing or "
+                   "damaged)")
   return meta
 
 
@@ -400,11 +415,16 @@ def _checked(meta) -> bool:
 
 
 def _array_name(e: BaseException) -> str | None:
-  # Tensorstore names the array it failed on as the kvstore path of its
-  # spec: orbax's dotted param name ("pallas_emb_state.tables.items/").
-  found = re.search(r'\\?"path\\?":\\?"' + _STATE + r'\.([^"\\]*?)/?\\?"',
-                    str(e))
-  return found.group(1).replace(".", "/") if found else None
+  """The tree path of the array an orbax restore error is about, if it says.
+
+  Tensorstore names it by orbax's dotted param name, as the key it could not
+  read ("pallas_emb_state.tables.items/0") or the path in its spec dump.
+  """
+  for err in _causes(e):
+    found = re.search(_STATE + r"\.([^\"'\\/\s]+)/", str(err))
+    if found:
+      return found.group(1).replace(".", "/")
+  return None
 
 
 def _verify(path, restored, sums, saved) -> None:
@@ -471,7 +491,7 @@ def restore(directory, target, *, step: int | None = None):
   return tree[_STATE]
 
 
-# --- collections: logical tables -------------------------------------------------
+# --- collections: logical tables --------------------------------------------
 
 
 def _saved_tree(directory, step: int | None):

@@ -35,11 +35,12 @@ _SPECS = {"f32": P(None, "x"), "bf16": P("x", None), "i32": P("x"),
 
 
 def _host(step: int):
-  """The state saved at `step`: small arrays of every kind, all distinct."""
+  """The state saved at `step`: arrays of every kind, all distinct, the
+  tables large enough (64 KiB, 16 KiB) to be stored out of the b-tree."""
   rng = np.random.default_rng(step)
   return {
-      "f32": rng.standard_normal((32, 16)).astype(np.float32),
-      "bf16": rng.standard_normal((16, 8)).astype(test_util.BF16),
+      "f32": rng.standard_normal((1024, 16)).astype(np.float32),
+      "bf16": rng.standard_normal((512, 16)).astype(test_util.BF16),
       "i32": rng.integers(-2**31, 2**31, 24, dtype=np.int64).astype(np.int32),
       "mask": rng.random((8, 8)) < 0.5,
       "count": np.int32(step),
@@ -69,7 +70,7 @@ def _bits(x):
 
 def _collection():
   opt = pe.RowwiseAdagrad(0.1)
-  tables = [pe.TableSpec("items", 24, 8, optimizer=opt),
+  tables = [pe.TableSpec("items", 2048, 8, optimizer=opt),
             pe.TableSpec("genre", 8, 8, optimizer=opt, dtype=jnp.bfloat16)]
   return pe.EmbeddingCollection(
       tables, [pe.FeatureSpec(t.name, t.name) for t in tables],
@@ -92,13 +93,12 @@ def _files(step_dir: str) -> list[str]:
                 for d, _, files in os.walk(step_dir) for f in files)
 
 
-def _data_files(step_dir: str, read: bool) -> list[str]:
-  """Tensorstore's chunk files: those a restore reads (`d/`, the database
-  orbax merges all processes' writes into), or else each process's own
-  `ocdbt.process_<i>/d/` copies, which a restore does not read."""
+def _data_files(step_dir: str) -> list[str]:
+  # Tensorstore's OCDBT files live in `d/` folders: each process's own
+  # (`ocdbt.process_<i>/d/`, the chunk data) and the step's (the b-tree
+  # orbax merges them under; arrays under ~100 bytes inline there).
   return [f for f in _files(step_dir)
-          if os.path.basename(os.path.dirname(f)) == "d" and
-          (os.path.dirname(f) == "d") == read]
+          if os.path.basename(os.path.dirname(f)) == "d"]
 
 
 class FaultTest(absltest.TestCase):
@@ -160,14 +160,16 @@ class FaultTest(absltest.TestCase):
     return copy
 
   def _attempt(self, restore, directory, what):
-    """'caught' (CheckpointError naming the step) or 'exact'; fails on
-    anything else."""
+    """'checksum' or 'unreadable' (a CheckpointError naming the step: values
+    that differ from their checksum, or files that cannot be read) or
+    'exact'; fails on anything else."""
     try:
       restore(directory)
     except pe.CheckpointError as e:
       self.assertRegex(str(e), r"^pallas_emb checkpoint ", what)
       self.assertIn(directory, str(e), what)
-      return "caught"
+      return "checksum" if "does not match the checksum" in str(e) else (
+          "unreadable")
     return "exact"
 
   def test_kill_during_save(self):
@@ -207,12 +209,12 @@ class FaultTest(absltest.TestCase):
           "half-written temporary directory), after each the last complete "
           f"step restored bit-exactly; last step {last}")
 
-  def _flips(self, source, restore, count, seed, read=True):
+  def _flips(self, source, restore, count, seed):
     """Outcomes of `count` single-byte flips, each in a fresh copy of
     `source`, at uniformly random bytes of its data files."""
     rng = np.random.default_rng(seed)
     step_dir = os.path.join(source, os.listdir(source)[0])
-    files = _data_files(step_dir, read)
+    files = _data_files(step_dir)
     sizes = np.array([os.path.getsize(os.path.join(step_dir, f))
                       for f in files])
     outcomes = []
@@ -237,18 +239,17 @@ class FaultTest(absltest.TestCase):
   def test_byte_flips_in_data_files(self):
     flips = {
         "state": self._flips(self.state_dir, self._restore_state, 20, 0),
-        "collection": self._flips(self.coll_dir, self._restore_coll, 10, 1),
-        "unread per-process copies": self._flips(
-            self.state_dir, self._restore_state, 5, 2, read=False)}
+        "collection": self._flips(self.coll_dir, self._restore_coll, 10, 1)}
     for name, outcomes in flips.items():
-      print(f"\nbyte flips in data files ({name}): "
-            f"{outcomes.count('caught')} of {len(outcomes)} caught, the rest "
-            "restored bit-exactly")
-    # Nearly every byte a restore reads is compressed chunk data or b-tree
-    # structure, so flips there must be caught (a flip in a byte the format
-    # ignores would restore exactly: allow two).
-    self.assertGreaterEqual(flips["state"].count("caught"), 18)
-    self.assertGreaterEqual(flips["collection"].count("caught"), 8)
+      print(f"\nbyte flips in data files ({name}): {len(outcomes)} flips, "
+            f"{outcomes.count('checksum')} caught by checksum, "
+            f"{outcomes.count('unreadable')} unreadable, "
+            f"{outcomes.count('exact')} restored bit-exactly")
+    # Most bytes are chunk data: a flip there changes values (which orbax
+    # alone returned) or breaks their decoding.
+    for outcomes in flips.values():
+      self.assertGreaterEqual(outcomes.count("checksum"), len(outcomes) // 4)
+      self.assertLessEqual(outcomes.count("exact"), len(outcomes) // 2)
 
   def test_truncated_and_deleted_files(self):
     def truncate(path):
@@ -274,14 +275,13 @@ class FaultTest(absltest.TestCase):
         # commit marker still marks the step complete: exact values).
         if name in ("manifest.ocdbt", "_METADATA") or (
             name == "commit_success.txt" and damage is os.remove):
-          self.assertEqual(outcome, "caught", f"{damage.__name__} {name}")
+          self.assertNotEqual(outcome, "exact", f"{damage.__name__} {name}")
     print(f"\ntruncated/emptied/deleted files: {sum(counts.values())} "
-          f"damaged copies ({len(names)} files x 3), {counts.get('caught', 0)}"
-          f" caught, {counts.get('exact', 0)} restored bit-exactly")
+          f"damaged copies ({len(names)} files x 3): {counts}")
 
   def test_collection_missing_data_file(self):
     step_dir = os.path.join(self.coll_dir, "4")
-    for name in _data_files(step_dir, read=True):
+    for name in _data_files(step_dir):
       copy = self._damaged_copy(self.coll_dir, name, os.remove)
       self._attempt(self._restore_coll, copy, name)
 
