@@ -27,14 +27,15 @@ Integrity: every saved array and scalar carries a 64-bit checksum (two
 position-dependent sums of a bijective 32-bit mix of each element's bits,
 see `_sums`), computed on device over the sharded global array and stored
 in the same orbax commit. `restore` recomputes it over what it read, so a
-changed byte, a truncated, missing or unreadable file, or damaged metadata is
-a `CheckpointError` naming the step, the array (where orbax says which) and
-what is wrong, never wrong values. The sums do not depend on the sharding, so a step saved over 8
-devices verifies when restored over 2. A checkpoint written before checksums
-existed restores unverified, with a logged warning. `save` deletes stale
-`*.orbax-checkpoint-tmp*` directories in `directory` (left by a crash mid-save;
-never a complete step) before writing, and refuses leaves a checkpoint
-cannot hold (strings, objects) before writing anything.
+changed byte, a truncated, missing or unreadable file, or damaged metadata
+is a `CheckpointError` naming the step, the array (where orbax says which)
+and what is wrong, never wrong values. The sums do not depend on the
+sharding, so a step saved over 8 devices verifies when restored over 2. A
+checkpoint written before checksums existed restores unverified, with a
+logged warning. `save` deletes stale `*.orbax-checkpoint-tmp*` directories
+in `directory` (left by a crash mid-save; never a complete step) before
+writing, and refuses leaves a checkpoint cannot hold (strings, objects)
+before writing anything.
 
 Multi-process (`jax.distributed`): every process must call `save` and
 `restore` with the same arguments, on a directory all processes can see
