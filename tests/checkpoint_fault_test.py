@@ -63,11 +63,6 @@ def _target(mesh):
   return target
 
 
-def _bits(x):
-  x = np.asarray(x)
-  return x.view({1: np.uint8, 2: np.uint16, 4: np.uint32}[x.dtype.itemsize])
-
-
 def _collection():
   opt = pe.RowwiseAdagrad(0.1)
   tables = [pe.TableSpec("items", 2048, 8, optimizer=opt),
@@ -133,7 +128,7 @@ class FaultTest(absltest.TestCase):
     want = _host(step)
     self.assertEqual(restored["step"], step)
     for k, v in want.items():
-      np.testing.assert_array_equal(_bits(restored[k]), _bits(v), err_msg=k)
+      test_util.assert_bits_equal(self, restored[k], v, k)
 
   def _restore_state(self, directory):
     out = ckpt.restore(directory, _target(self.mesh))
@@ -148,7 +143,7 @@ class FaultTest(absltest.TestCase):
     got = (self.coll.table_arrays(restored),
            self.coll.optimizer_arrays(restored))
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
-      np.testing.assert_array_equal(_bits(a), _bits(b))
+      test_util.assert_bits_equal(self, a, b)
 
   def _damaged_copy(self, source, name, damage):
     """A copy of checkpoint `source` with `damage(path)` done to the file

@@ -59,7 +59,18 @@ def _bits(x):
           x.dtype.itemsize])
 
 
-class CheckpointTest(parameterized.TestCase):
+class _DirTest(parameterized.TestCase):
+  """A fresh directory per test in `self.dir`."""
+
+  def setUp(self):
+    super().setUp()
+    # tempfile, not create_tempdir(): absl flags are unparsed under pytest.
+    tmp = tempfile.TemporaryDirectory()
+    self.addCleanup(tmp.cleanup)
+    self.dir = tmp.name
+
+
+class CheckpointTest(_DirTest):
 
   @classmethod
   def setUpClass(cls):
@@ -78,13 +89,6 @@ class CheckpointTest(parameterized.TestCase):
   def tearDownClass(cls):
     cls._tmp.cleanup()
     super().tearDownClass()
-
-  def setUp(self):
-    super().setUp()
-    # tempfile, not create_tempdir(): absl flags are unparsed under pytest.
-    tmp = tempfile.TemporaryDirectory()
-    self.addCleanup(tmp.cleanup)
-    self.dir = tmp.name
 
   @parameterized.parameters((8, 8), (8, 4), (8, 2), (8, 1), (2, 8))
   def test_round_trip_reshards_bit_exact(self, src, dst):
@@ -291,13 +295,7 @@ class ChecksumTest(parameterized.TestCase):
                 base)
 
 
-class IntegrityTest(absltest.TestCase):
-
-  def setUp(self):
-    super().setUp()
-    tmp = tempfile.TemporaryDirectory()
-    self.addCleanup(tmp.cleanup)
-    self.dir = tmp.name
+class IntegrityTest(_DirTest):
 
   def _state(self):
     host = _host_state()
@@ -432,13 +430,7 @@ def _collection(ranks, tables, lazy=True):
       test_util.mesh({"x": ranks}), "x")
 
 
-class CollectionCheckpointTest(absltest.TestCase):
-
-  def setUp(self):
-    super().setUp()
-    tmp = tempfile.TemporaryDirectory()
-    self.addCleanup(tmp.cleanup)
-    self.dir = tmp.name
+class CollectionCheckpointTest(_DirTest):
 
   def _trained(self, coll):
     """A state whose tables and optimizer state are not at their init."""
