@@ -216,9 +216,12 @@ def _checksums(leaves) -> list[np.ndarray]:
 
 def _savable(name: str, leaf):
   """`leaf` as orbax will store it; a CheckpointError if it cannot be."""
-  if isinstance(leaf, (bool, int, float)):
+  if isinstance(leaf, (bool, float)) or (
+      isinstance(leaf, int) and -2**63 <= leaf < 2**63):
     return leaf
-  if isinstance(leaf, (jax.Array, np.ndarray, np.generic)):
+  if isinstance(leaf, int):
+    why = f"the int {leaf}, outside int64"
+  elif isinstance(leaf, (jax.Array, np.ndarray, np.generic)):
     dtype = leaf.dtype
     if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
       why = "a PRNG key array (store jax.random.key_data(key) instead)"
@@ -231,7 +234,8 @@ def _savable(name: str, leaf):
       # Orbax restores numpy scalars as arrays: store them as 0-d arrays.
       return np.asarray(leaf) if isinstance(leaf, np.generic) else leaf
   else:
-    why = f"a {type(leaf).__name__}"
+    kind = type(leaf).__name__
+    why = f"{'an' if kind[:1].lower() in 'aeiou' else 'a'} {kind}"
   raise CheckpointError(
       f"pallas_emb checkpoint leaf {name!r} is {why}, which a checkpoint "
       "cannot hold; save only jax/numpy arrays of numbers or bools and "

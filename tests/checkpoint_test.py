@@ -388,9 +388,10 @@ class IntegrityTest(_DirTest):
     coll = _collection(2, ["items"])
     state = coll.init(jax.random.key(0))
     for extra, what in (({"s": "hello"}, "a str"),
-                        ({"o": [object()]}, "a object"),
+                        ({"o": [object()]}, "an object"),
                         ({"a": np.array(["x"])}, "a numpy array of dtype <U1"),
-                        ({"k": jax.random.key(0)}, "a PRNG key array")):
+                        ({"k": jax.random.key(0)}, "a PRNG key array"),
+                        ({"n": 2**64}, "the int 18446744073709551616")):
       with self.subTest(what):
         with self.assertRaisesRegex(
             ckpt.CheckpointError,
