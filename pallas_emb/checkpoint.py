@@ -245,15 +245,19 @@ def _savable(name: str, leaf):
 
 def _remove_stale_tmp(root) -> None:
   """Deletes orbax's temporary step directories left by a crash mid-save."""
-  # Process 0 only: the other processes reach orbax's first barrier after
-  # this returns, so no temporary directory of this save exists yet.
+  # Process 0 only, before its orbax save: orbax has process 0 create this
+  # save's temporary directory (the others wait for it), so every one found
+  # here is an earlier save's.
   if jax.process_index() != 0 or not root.is_dir():
     return
   for p in root.iterdir():
     if _TMP_MARKER in p.name:
       logging.warning("pallas_emb checkpoint: removing %s, left by an "
                       "interrupted save.", p)
-      p.rmtree() if p.is_dir() else p.unlink()
+      if p.is_dir():
+        p.rmtree()
+      else:
+        p.unlink()
 
 
 def _causes(e: BaseException) -> list[BaseException]:
