@@ -23,6 +23,20 @@ anything else (orbax's `<step>.orbax-checkpoint-tmp*` directories, an
 interrupted in-place write, a stray folder) is ignored by `latest_step` and
 refused by `restore`. `save` blocks until the step is committed.
 
+Integrity: every saved array and scalar carries a 64-bit checksum (two
+position-dependent sums of a bijective 32-bit mix of each element's bits,
+see `_sums`), computed on device over the sharded global array and stored
+in the same orbax commit. `restore` recomputes it over what it read, so a
+changed byte, a truncated, missing or unreadable file, or damaged metadata
+is a `CheckpointError` naming the step, the array (where orbax says which)
+and what is wrong, never wrong values. The sums do not depend on the
+sharding, so a step saved over 8 devices verifies when restored over 2. A
+checkpoint written before checksums existed restores unverified, with a
+logged warning. `save` deletes stale `*.orbax-checkpoint-tmp*` directories
+in `directory` (left by a crash mid-save; never a complete step) before
+writing, and refuses leaves a checkpoint cannot hold (strings, objects)
+before writing anything.
+
 Multi-process (`jax.distributed`): every process must call `save` and
 `restore` with the same arguments, on a directory all processes can see
 (shared filesystem or object store); orbax coordinates the processes, each
@@ -31,15 +45,23 @@ writes and reads only its addressable shards, and process 0 commits.
 
 from __future__ import annotations
 
+import logging
+import re
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from pallas_emb.errors import CheckpointError
 
 # Orbax's commit marker (written last in both of its atomicity modes).
 _COMMIT_MARKER = "commit_success.txt"
+# Orbax's temporary step directories: `<step>.orbax-checkpoint-tmp[-<n>]`.
+_TMP_MARKER = ".orbax-checkpoint-tmp"
+# The saved tree: the user's state beside a parallel tree of checksums, so
+# orbax's single atomic commit covers both.
+_STATE, _SUMS = "pallas_emb_state", "pallas_emb_checksums"
 
 
 def _orbax():
@@ -85,20 +107,207 @@ def latest_step(directory) -> int | None:
   return steps[-1] if steps else None
 
 
+# --- checksums ----------------------------------------------------------------
+
+# Two independent 32-bit sums make a 64-bit checksum.
+_SEEDS = (0x243F6A88, 0x85A308D3)
+
+
+def _fmix32(h):
+  # murmur3's finalizer: a bijection of uint32, so changing one element's
+  # bits always changes its term, and with it the sum.
+  h = h ^ (h >> 16)
+  h = h * np.uint32(0x85EBCA6B)
+  h = h ^ (h >> 13)
+  h = h * np.uint32(0xC2B2AE35)
+  return h ^ (h >> 16)
+
+
+def _sums(xp, words, index):
+  """`uint32[2]`: sum_i fmix32(words_i ^ key(index_i) ^ seed) mod 2^32 per
+  seed. Sums commute, so the result does not depend on how the array is
+  sharded; the position key catches elements that moved."""
+  key = _fmix32(index * np.uint32(0x9E3779B9) + np.uint32(1))
+  return xp.stack([xp.sum(_fmix32(words ^ key ^ np.uint32(s)),
+                          dtype=xp.uint32) for s in _SEEDS])
+
+
+def _bit_width(dtype) -> int:
+  return int(jax.dtypes.itemsize_bits(dtype))
+
+
+def _host_checksum(x: np.ndarray) -> np.ndarray:
+  """`_sums` of a host array (any numpy dtype, 64-bit ones included)."""
+  x = np.ascontiguousarray(x)
+  if x.dtype.kind == "c":
+    x = np.stack([x.real, x.imag], -1)
+  flat = x.reshape(-1)
+  if x.dtype == np.bool_:
+    words = flat.astype(np.uint32)
+  else:
+    # Little-endian words: an 8-byte element is (low word, high word).
+    words = flat.view({1: np.uint8, 2: np.uint16, 4: np.uint32,
+                       8: np.uint32}[x.dtype.itemsize]).astype(np.uint32)
+  index = np.arange(words.size, dtype=np.uint64).astype(np.uint32)
+  with np.errstate(over="ignore"):
+    return _sums(np, words, index)
+
+
+def _device_checksum(x: jax.Array) -> jax.Array:
+  """`_sums` of a (sharded) jax array, computed where it lives."""
+  if jnp.issubdtype(x.dtype, jnp.complexfloating):
+    x = jnp.stack([x.real, x.imag], -1)
+  size = np.dtype(x.dtype).itemsize
+  if x.dtype == jnp.bool_:
+    words = x.astype(jnp.uint32)
+  elif size == 8:  # Only under jax_enable_x64; same word order as the host.
+    u = jax.lax.bitcast_convert_type(x, jnp.uint64)
+    words = jnp.stack([(u & 0xFFFFFFFF).astype(jnp.uint32),
+                       (u >> 32).astype(jnp.uint32)], -1)
+  else:
+    words = jax.lax.bitcast_convert_type(
+        x, {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}[size]).astype(
+            jnp.uint32)
+  # Row-major word index mod 2^32 from per-axis iotas: no int64 and no
+  # flattening (which would move data between shards).
+  index = jnp.zeros(words.shape, jnp.uint32)
+  stride = 1
+  for axis in reversed(range(words.ndim)):
+    index = index + jax.lax.broadcasted_iota(
+        jnp.uint32, words.shape, axis) * np.uint32(stride % 2**32)
+    stride *= words.shape[axis]
+  return _sums(jnp, words, index)
+
+
+# One program per device set sums every array of a save or restore: one
+# compilation instead of one per leaf shape.
+_device_checksums = jax.jit(lambda xs: [_device_checksum(x) for x in xs])
+
+
+def _finish_checksum(c) -> np.ndarray:
+  if isinstance(c, jax.Array) and not c.is_fully_addressable:
+    # Multi-process: a full reduction is replicated, so any local copy is it.
+    c = c.addressable_data(0)
+  return np.asarray(c, np.uint32)
+
+
+def _checksums(leaves) -> list[np.ndarray]:
+  """Checksums of `leaves`: jax arrays on their devices (one program per set
+  of devices, all started before any result is awaited), the rest on the
+  host."""
+  out = [None] * len(leaves)
+  groups = {}
+  for i, x in enumerate(leaves):
+    if isinstance(x, jax.Array):
+      devices = tuple(sorted(d.id for d in x.sharding.device_set))
+      groups.setdefault(devices, []).append(i)
+    else:
+      out[i] = _host_checksum(np.asarray(x))
+  started = [(idx, _device_checksums([leaves[i] for i in idx]))
+             for idx in groups.values()]
+  for idx, sums in started:
+    for i, c in zip(idx, sums):
+      out[i] = _finish_checksum(c)
+  return out
+
+
+# --- save --------------------------------------------------------------------
+
+
+def _savable(name: str, leaf):
+  """`leaf` as orbax will store it; a CheckpointError if it cannot be."""
+  if isinstance(leaf, (bool, float)) or (
+      isinstance(leaf, int) and -2**63 <= leaf < 2**63):
+    return leaf
+  if isinstance(leaf, int):
+    why = f"the int {leaf}, outside int64"
+  elif isinstance(leaf, (jax.Array, np.ndarray, np.generic)):
+    dtype = leaf.dtype
+    if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
+      why = "a PRNG key array (store jax.random.key_data(key) instead)"
+    elif dtype.kind not in "biufc" and not type(dtype).__module__.startswith(
+        "ml_dtypes"):  # bfloat16, float8_*, int4 and friends are ml_dtypes.
+      why = f"a numpy array of dtype {dtype}"
+    elif _bit_width(dtype) < 8:
+      why = f"an array of {dtype}, narrower than a byte"
+    else:
+      # Orbax restores numpy scalars as arrays: store them as 0-d arrays.
+      return np.asarray(leaf) if isinstance(leaf, np.generic) else leaf
+  else:
+    kind = type(leaf).__name__
+    why = f"{'an' if kind[:1].lower() in 'aeiou' else 'a'} {kind}"
+  raise CheckpointError(
+      f"pallas_emb checkpoint leaf {name!r} is {why}, which a checkpoint "
+      "cannot hold; save only jax/numpy arrays of numbers or bools and "
+      "python ints/floats/bools there (encode anything else as such, or keep "
+      "it outside the checkpoint).")
+
+
+def _remove_stale_tmp(root) -> None:
+  """Deletes orbax's temporary step directories left by a crash mid-save."""
+  # Process 0 only, before its orbax save: orbax has process 0 create this
+  # save's temporary directory (the others wait for it), so every one found
+  # here is an earlier save's.
+  if jax.process_index() != 0 or not root.is_dir():
+    return
+  for p in root.iterdir():
+    if _TMP_MARKER in p.name:
+      logging.warning("pallas_emb checkpoint: removing %s, left by an "
+                      "interrupted save.", p)
+      if p.is_dir():
+        p.rmtree()
+      else:
+        p.unlink()
+
+
+def _causes(e: BaseException) -> list[BaseException]:
+  """`e` and the exceptions it was raised from, outermost first."""
+  chain = []
+  while e is not None and e not in chain:
+    chain.append(e)
+    e = e.__cause__ or e.__context__
+  return chain
+
+
+def _reason(e: BaseException) -> str:
+  """The innermost orbax/tensorstore error (tensorstore's own status, e.g.
+  "NOT_FOUND: ..."), without the spec dump orbax appends."""
+  text = str(_causes(e)[-1])
+  for cut in (" [tensorstore_spec=", " See full TensorStore details"):
+    text = text.split(cut)[0]
+  text = (text.strip().splitlines() or [type(e).__name__])[0]
+  return text if len(text) <= 300 else text[:297] + "..."
+
+
 def save(directory, state, *, step: int) -> None:
   """Saves pytree `state` as `<directory>/<step>`; returns once committed."""
   ocp, _ = _orbax()
   step = _check_step(step)
-  path = _dir(directory) / str(step)
+  root = _dir(directory)
+  path = root / str(step)
+  # Checked before anything touches the directory.
+  flat, treedef = jax.tree_util.tree_flatten_with_path(state)
+  leaves = [_savable(_key(p), v) for p, v in flat]
   if path.exists():
     raise CheckpointError(
         f"pallas_emb checkpoint {path} already exists; save under a new step "
         "or delete that directory first.")
+  sums = _checksums(leaves)
+  tree = {_STATE: jax.tree_util.tree_unflatten(treedef, leaves),
+          _SUMS: jax.tree_util.tree_unflatten(treedef, sums)}
+  _remove_stale_tmp(root)
   # StandardCheckpointer saves asynchronously; closing it waits for the
   # commit, so a returned `save` is a finished checkpoint.
-  with ocp.StandardCheckpointer() as ckptr:
-    ckptr.save(path, state)
-    ckptr.wait_until_finished()
+  try:
+    with ocp.StandardCheckpointer() as ckptr:
+      ckptr.save(path, tree)
+      ckptr.wait_until_finished()
+  except Exception as e:  # pylint: disable=broad-exception-caught
+    # Orbax and tensorstore raise plain Exceptions (disk full, permissions).
+    raise CheckpointError(
+        f"pallas_emb checkpoint {path} could not be written ({_reason(e)}); "
+        "make sure the directory is writable and has room, then save "
+        "again.") from e
 
 
 def _key(path) -> str:
@@ -178,23 +387,88 @@ def _resolve_step(directory, step: int | None):
   return root, step
 
 
+def _damaged(path, what: str) -> CheckpointError:
+  """The error for a step whose files do not give back what was saved."""
+  root, step = path.parent, int(path.name)
+  others = [s for s in _complete_steps(root) if s != step]
+  fix = (f"restore another complete step with step=... (there are {others})"
+         if others else "save the state again (no other complete step is "
+         "there)")
+  return CheckpointError(
+      f"pallas_emb checkpoint {path} is damaged: {what}; do not use it, "
+      f"{fix}.")
+
+
+def _metadata(ckptr, path):
+  """The saved tree of orbax metadata at `path`; CheckpointError if missing
+  or unreadable."""
+  try:
+    meta = ckptr.metadata(path)
+  except Exception as e:  # pylint: disable=broad-exception-caught
+    # Missing or corrupt _METADATA/manifest: orbax raises what it meets.
+    raise _damaged(path, f"its metadata cannot be read ({_reason(e)})") from e
+  # orbax 0.12 wraps the tree in StepMetadata.item_metadata.tree.
+  meta = getattr(meta, "item_metadata", meta)
+  meta = getattr(meta, "tree", meta)
+  if not isinstance(meta, dict):
+    # Orbax logs and returns nothing when _METADATA is missing or empty.
+    raise _damaged(path, "its metadata cannot be read (orbax found no tree "
+                   "of arrays: _METADATA or the array index is missing or "
+                   "damaged)")
+  return meta
+
+
+def _checked(meta) -> bool:
+  """Whether saved tree `meta` carries checksums (else: an older format)."""
+  return set(meta) == {_STATE, _SUMS}
+
+
+def _array_name(e: BaseException) -> str | None:
+  """The tree path of the array an orbax restore error is about, if it says.
+
+  Tensorstore names it by orbax's dotted param name, as the key it could not
+  read ("pallas_emb_state.tables.items/0") or the path in its spec dump.
+  """
+  for err in _causes(e):
+    found = re.search(_STATE + r"\.([^\"'\\/\s]+)/", str(err))
+    if found:
+      return found.group(1).replace(".", "/")
+  return None
+
+
+def _verify(path, restored, sums, saved) -> None:
+  """CheckpointError unless every restored leaf has its saved checksum."""
+  got, want = _flat(restored), _flat(sums)
+  names = sorted(got)
+  # Host values are compared as the dtype they were saved as (orbax gives a
+  # python scalar back for a saved python int, float or bool).
+  values = [v if isinstance(v, jax.Array) else np.asarray(
+      v, saved[n].dtype) for n, v in zip(names, (got[n] for n in names))]
+  bad = [n for n, c in zip(names, _checksums(values))
+         if not np.array_equal(c, np.asarray(want[n]))]
+  if bad:
+    more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
+    raise _damaged(path, f"array {bad[0]!r}{more} does not match the "
+                   "checksum saved with it, so its files changed after the "
+                   "save")
+
+
 def restore(directory, target, *, step: int | None = None):
   """Restores step `step` (default: the latest complete one) onto `target`.
 
   Returns a pytree shaped like `target` whose arrays carry the target
   shardings. Shapes, dtypes and tree structure are checked against the saved
-  metadata before any array is read.
+  metadata before any array is read, and every value read against the
+  checksum saved with it.
   """
   ocp, _ = _orbax()
   root, step = _resolve_step(directory, step)
   path = root / str(step)
 
   with ocp.StandardCheckpointer() as ckptr:
-    meta = ckptr.metadata(path)
-    # orbax 0.12 wraps the tree in StepMetadata.item_metadata.tree.
-    meta = getattr(meta, "item_metadata", meta)
-    meta = getattr(meta, "tree", meta)
-    saved = _flat(meta)
+    meta = _metadata(ckptr, path)
+    checked = _checked(meta)
+    saved = _flat(meta[_STATE] if checked else meta)
     wanted = _flat(target)
     if saved.keys() != wanted.keys():
       missing = sorted(saved.keys() - wanted.keys())
@@ -206,10 +480,27 @@ def restore(directory, target, *, step: int | None = None):
     abstract = jax.tree_util.tree_unflatten(
         jax.tree_util.tree_structure(target),
         [_abstract(k, v, saved[k]) for k, v in wanted.items()])
-    return ckptr.restore(path, abstract)
+    if not checked:
+      logging.warning(
+          "pallas_emb checkpoint %s predates checksums: its values are "
+          "restored unverified.", path)
+    item = ({_STATE: abstract, _SUMS: jax.tree.map(
+        lambda _: np.zeros(2, np.uint32), abstract)} if checked else abstract)
+    try:
+      tree = ckptr.restore(path, item)
+    except Exception as e:  # pylint: disable=broad-exception-caught
+      # Tensorstore raises plain Exceptions/ValueErrors for truncated,
+      # missing or undecodable chunks.
+      name = _array_name(e)
+      what = f"array {name!r}" if name else "an array"
+      raise _damaged(path, f"{what} cannot be read ({_reason(e)})") from e
+  if not checked:
+    return tree
+  _verify(path, tree[_STATE], tree[_SUMS], saved)
+  return tree[_STATE]
 
 
-# --- collections: logical tables -------------------------------------------------
+# --- collections: logical tables --------------------------------------------
 
 
 def _saved_tree(directory, step: int | None):
@@ -217,9 +508,8 @@ def _saved_tree(directory, step: int | None):
   ocp, _ = _orbax()
   root, step = _resolve_step(directory, step)
   with ocp.StandardCheckpointer() as ckptr:
-    meta = ckptr.metadata(root / str(step))
-  meta = getattr(meta, "item_metadata", meta)
-  return step, getattr(meta, "tree", meta)
+    meta = _metadata(ckptr, root / str(step))
+  return step, meta[_STATE] if _checked(meta) else meta
 
 
 def save_collection(directory, coll, state, *, step: int, extra=None) -> None:

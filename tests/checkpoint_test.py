@@ -1,4 +1,5 @@
-"""Tests for pallas_emb.checkpoint: resharding round trips, atomicity, errors."""
+"""Tests for pallas_emb.checkpoint: resharding round trips, atomicity,
+checksums, errors."""
 
 import os
 import tempfile
@@ -54,10 +55,22 @@ def _target(mesh, host=None):
 def _bits(x):
   x = np.asarray(x)
   return x.view(np.uint16) if x.dtype == jnp.bfloat16 else x.view(
-      {4: np.uint32, 2: np.uint16, 1: np.uint8}[x.dtype.itemsize])
+      {8: np.uint64, 4: np.uint32, 2: np.uint16, 1: np.uint8}[
+          x.dtype.itemsize])
 
 
-class CheckpointTest(parameterized.TestCase):
+class _DirTest(parameterized.TestCase):
+  """A fresh directory per test in `self.dir`."""
+
+  def setUp(self):
+    super().setUp()
+    # tempfile, not create_tempdir(): absl flags are unparsed under pytest.
+    tmp = tempfile.TemporaryDirectory()
+    self.addCleanup(tmp.cleanup)
+    self.dir = tmp.name
+
+
+class CheckpointTest(_DirTest):
 
   @classmethod
   def setUpClass(cls):
@@ -76,13 +89,6 @@ class CheckpointTest(parameterized.TestCase):
   def tearDownClass(cls):
     cls._tmp.cleanup()
     super().tearDownClass()
-
-  def setUp(self):
-    super().setUp()
-    # tempfile, not create_tempdir(): absl flags are unparsed under pytest.
-    tmp = tempfile.TemporaryDirectory()
-    self.addCleanup(tmp.cleanup)
-    self.dir = tmp.name
 
   @parameterized.parameters((8, 8), (8, 4), (8, 2), (8, 1), (2, 8))
   def test_round_trip_reshards_bit_exact(self, src, dst):
@@ -210,6 +216,209 @@ class CheckpointTest(parameterized.TestCase):
         ckpt.save(self.dir, {"s": jnp.int32(0)}, step=bad)
 
 
+_MASK = 2**32 - 1
+
+
+def _fmix32(h: int) -> int:
+  h ^= h >> 16
+  h = (h * 0x85EBCA6B) & _MASK
+  h ^= h >> 13
+  h = (h * 0xC2B2AE35) & _MASK
+  return h ^ (h >> 16)
+
+
+def _model_checksum(x) -> list[int]:
+  """The documented checksum, element by element: for seeds s in
+  (0x243F6A88, 0x85A308D3), sum over row-major positions i of
+  fmix32(bits_i ^ fmix32(i * 0x9E3779B9 + 1) ^ s) mod 2^32, where bits_i
+  are an element's bits zero-extended to 32 (a bool is 0 or 1)."""
+  x = np.asarray(x)
+  words = (x.reshape(-1).astype(np.uint32) if x.dtype == np.bool_ else
+           _bits(x.reshape(-1)).astype(np.uint32))
+  return [sum(_fmix32(int(w) ^ _fmix32((i * 0x9E3779B9 + 1) & _MASK) ^ s)
+              for i, w in enumerate(words)) & _MASK
+          for s in (0x243F6A88, 0x85A308D3)]
+
+
+class ChecksumTest(parameterized.TestCase):
+
+  def _arrays(self):
+    rng = np.random.default_rng(1)
+    return {
+        "f32": rng.standard_normal((16, 8)).astype(np.float32),
+        "bf16": rng.integers(0, 2**16, (16, 8), dtype=np.uint16).view(
+            jnp.bfloat16),
+        "f16": rng.standard_normal((8, 16)).astype(np.float16),
+        "i32": rng.integers(-2**31, 2**31, (16, 8)).astype(np.int32),
+        "u32": rng.integers(0, 2**32, (8, 16)).astype(np.uint32),
+        "i8": rng.integers(-128, 128, (16, 8)).astype(np.int8),
+        "bool": rng.random((16, 8)) < 0.5,
+        "scalar": np.float32(-2.5),
+    }
+
+  @parameterized.parameters(8, 2, 1)
+  def test_matches_model_on_any_sharding(self, devices):
+    mesh = _mesh(devices)
+    for name, x in self._arrays().items():
+      spec = P() if np.ndim(x) == 0 else P("x", None)
+      on_device = jax.device_put(x, NamedSharding(mesh, spec))
+      with self.subTest(name):
+        want = _model_checksum(x)
+        got_device, got_host = ckpt._checksums([on_device, np.asarray(x)])
+        self.assertEqual(got_device.tolist(), want)
+        self.assertEqual(got_host.tolist(), want)
+
+  def test_any_changed_or_moved_element_changes_it(self):
+    rng = np.random.default_rng(2)
+    for name, x in self._arrays().items():
+      if np.ndim(x) == 0:
+        continue
+      base = ckpt._checksums([x])[0].tolist()
+      bits = _bits(x)
+      for _ in range(20):
+        changed = bits.copy().reshape(-1)
+        i = rng.integers(changed.size)
+        if x.dtype == np.bool_:
+          changed[i] ^= 1
+        else:
+          changed[i] ^= rng.integers(1, 2**(8 * x.dtype.itemsize),
+                                     dtype=np.uint64).astype(changed.dtype)
+        moved = bits.copy().reshape(-1)
+        j = (i + 1 + rng.integers(moved.size - 1)) % moved.size
+        while moved[i] == moved[j]:
+          j = (j + 1) % moved.size
+        moved[[i, j]] = moved[[j, i]]
+        for what, y in (("changed", changed), ("moved", moved)):
+          with self.subTest(f"{name} {what} {i}"):
+            self.assertNotEqual(
+                ckpt._checksums([y.view(x.dtype).reshape(x.shape)])[0].tolist(),
+                base)
+
+
+class IntegrityTest(_DirTest):
+
+  def _state(self):
+    host = _host_state()
+    state = _put(host, _mesh(8))
+    state.update({"b": True, "f": 0.25, "i": -3, "n32": np.int32(5),
+                  "h64": np.arange(3.0)})
+    target = _target(_mesh(2), host)
+    target.update({"b": False, "f": 0.0, "i": 0,
+                   "n32": np.zeros((), np.int32), "h64": np.zeros(3)})
+    return state, target
+
+  def _write_raw(self, directory, tree):
+    """Writes `tree` with orbax as step 3, bypassing checkpoint.save."""
+    ocp, epath = ckpt._orbax()
+    with ocp.StandardCheckpointer() as ckptr:
+      ckptr.save(epath.Path(directory).absolute() / "3", tree)
+      ckptr.wait_until_finished()
+
+  def test_value_changed_after_save_is_caught(self):
+    state, target = self._state()
+    ckpt.save(self.dir, state, step=1)
+    sums = jax.tree.unflatten(jax.tree.structure(state),
+                              ckpt._checksums(jax.tree.leaves(state)))
+    changes = {
+        "table_f32": lambda x: x.at[5, 3].set(x[5, 3] + 1),
+        "table_bf16": lambda x: x.at[0, 0].set(jnp.nan),
+        "step": lambda x: x + 1,
+        "b": lambda x: not x,
+        "i": lambda x: x - 1,
+        "n32": lambda x: np.asarray(x + 1, np.int32),
+        "h64": lambda x: x * 2,
+    }
+    for leaf, change in changes.items():
+      with self.subTest(leaf):
+        directory = os.path.join(self.dir, leaf)
+        self._write_raw(directory, {
+            "pallas_emb_state": {**state, leaf: change(state[leaf])},
+            "pallas_emb_checksums": sums})
+        with self.assertRaisesRegex(
+            ckpt.CheckpointError,
+            rf"^pallas_emb checkpoint .*{leaf}.3 is damaged: array "
+            rf"'{leaf}' does not match the checksum saved with it, so its "
+            r"files changed after the save; do not use it, save the state "
+            r"again \(no other complete step is there\)\.$"):
+          ckpt.restore(directory, target)
+    # Unchanged: exact, every kind of leaf verified without false alarms.
+    out = ckpt.restore(self.dir, target)
+    for k, v in state.items():
+      np.testing.assert_array_equal(_bits(out[k]), _bits(v), err_msg=k)
+    self.assertEqual((out["b"], out["f"], out["i"]), (True, 0.25, -3))
+
+  def test_damaged_metadata_names_step_and_fix(self):
+    small = {"v": jnp.arange(4.0)}
+    target = {"v": jax.ShapeDtypeStruct(
+        (4,), jnp.float32, sharding=NamedSharding(_mesh(1), P()))}
+    for step in (1, 2):
+      ckpt.save(self.dir, small, step=step)
+    os.remove(os.path.join(self.dir, "2", "_METADATA"))
+    with self.assertRaisesRegex(
+        ckpt.CheckpointError,
+        r"^pallas_emb checkpoint .*.2 is damaged: its metadata cannot be read "
+        r"\(.*\); do not use it, restore another complete step with "
+        r"step=\.\.\. \(there are \[1\]\)\.$"):
+      ckpt.restore(self.dir, target)
+    np.testing.assert_array_equal(
+        ckpt.restore(self.dir, target, step=1)["v"], np.arange(4.0))
+    coll = _collection(2, ["items"])
+    ckpt.save_collection(self.dir, coll, coll.init(jax.random.key(0)),
+                         step=3)
+    os.remove(os.path.join(self.dir, "3", "manifest.ocdbt"))
+    with self.assertRaisesRegex(ckpt.CheckpointError,
+                                r"3 is damaged: .*; do not use it"):
+      ckpt.restore_collection(self.dir, coll)
+
+  def test_missing_data_names_array(self):
+    # 64 KiB: stored in the process's own data file, outside the b-tree.
+    ckpt.save(self.dir, {"w": {"table": jnp.arange(16384.0)}}, step=0)
+    data = os.path.join(self.dir, "0", "ocdbt.process_0", "d")
+    for name in os.listdir(data):
+      os.remove(os.path.join(data, name))
+    target = {"w": {"table": jax.ShapeDtypeStruct(
+        (16384,), jnp.float32, sharding=NamedSharding(_mesh(1), P()))}}
+    with self.assertRaisesRegex(
+        ckpt.CheckpointError,
+        r"^pallas_emb checkpoint .*0 is damaged: array 'w/table' cannot be "
+        r"read \(.*\); do not use it, save the state again"):
+      ckpt.restore(self.dir, target)
+
+  def test_unsavable_leaves_rejected_before_writing(self):
+    coll = _collection(2, ["items"])
+    state = coll.init(jax.random.key(0))
+    for extra, what in (({"s": "hello"}, "a str"),
+                        ({"o": [object()]}, "an object"),
+                        ({"a": np.array(["x"])}, "a numpy array of dtype <U1"),
+                        ({"k": jax.random.key(0)}, "a PRNG key array"),
+                        ({"n": 2**64}, "the int 18446744073709551616")):
+      with self.subTest(what):
+        with self.assertRaisesRegex(
+            ckpt.CheckpointError,
+            rf"^pallas_emb checkpoint leaf 'extra/.*' is {what}.*, which a "
+            "checkpoint cannot hold; save only"):
+          ckpt.save_collection(self.dir, coll, state, step=0, extra=extra)
+        self.assertEqual(os.listdir(self.dir), [])
+
+  def test_save_removes_stale_temporary_directories(self):
+    ckpt.save(self.dir, {"v": jnp.zeros(2)}, step=4)
+    # What a save killed mid-write leaves (the name orbax gives it).
+    for name in ("5.orbax-checkpoint-tmp-1764780000", "6.orbax-checkpoint-tmp"):
+      os.makedirs(os.path.join(self.dir, name, "d"))
+    self.assertEqual(ckpt.latest_step(self.dir), 4)
+    ckpt.save(self.dir, {"v": jnp.ones(2)}, step=5)
+    self.assertEqual(sorted(os.listdir(self.dir)), ["4", "5"])
+
+  def test_checkpoint_without_checksums_restores_with_warning(self):
+    host = _host_state()
+    self._write_raw(self.dir, _put(host, _mesh(8)))
+    with self.assertLogs(level="WARNING") as logs:
+      out = ckpt.restore(self.dir, _target(_mesh(2)))
+    self.assertTrue(any("predates checksums" in m for m in logs.output))
+    for k, v in host.items():
+      np.testing.assert_array_equal(_bits(out[k]), _bits(v))
+
+
 def _collection(ranks, tables, lazy=True):
   opt = pe.RowwiseAdagrad(0.1, half_life_steps=3.0, lazy=lazy)
   specs = {"items": pe.TableSpec("items", 40, 16, optimizer=opt),
@@ -222,13 +431,7 @@ def _collection(ranks, tables, lazy=True):
       test_util.mesh({"x": ranks}), "x")
 
 
-class CollectionCheckpointTest(absltest.TestCase):
-
-  def setUp(self):
-    super().setUp()
-    tmp = tempfile.TemporaryDirectory()
-    self.addCleanup(tmp.cleanup)
-    self.dir = tmp.name
+class CollectionCheckpointTest(_DirTest):
 
   def _trained(self, coll):
     """A state whose tables and optimizer state are not at their init."""
