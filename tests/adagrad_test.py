@@ -1,4 +1,4 @@
-"""The row-wise Adagrad kernel against a numpy model and its jnp twin.
+"""Row-wise Adagrad's rule in the update kernel vs a numpy model and the twin.
 
 Backends: the twin (`xla`), the kernel through the interpreter everywhere,
 and the Triton kernel on a GPU. The interpreter is bit-exact against the
@@ -23,9 +23,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_emb import kernels
-from pallas_emb.kernels import adagrad
+from pallas_emb.kernels import sparse_update
 from pallas_emb.kernels import common
-from pallas_emb.kernels import reference
 from pallas_emb.kernels.hparams import AdagradHParams
 
 BF16 = test_util.BF16
@@ -109,15 +108,28 @@ HPARAMS = {
 }
 
 
+def adagrad_apply(table, row_state, last_step, unique_tokens, grad_accum,
+                  row_sq, apply, step, learning_rate, *, hparams, backend,
+                  config=None):
+  """Row-wise Adagrad's rule through the generic sparse update (what
+  `pe.RowwiseAdagrad` runs): `(table, row_state, last_step or None)`."""
+  rows = (row_state,) + (() if last_step is None else (last_step,))
+  table, rows, _ = kernels.sparse_update_rows(
+      common.AdagradRule(hparams), table, rows, (), unique_tokens,
+      grad_accum, row_sq, apply, step, (learning_rate,), emb_width=None,
+      backend=backend, config=config)
+  return table, rows[0], rows[1] if hparams.lazy else None
+
+
 def run_adagrad(backend, args, hp, apply=True, step=9, lr=0.1, config=None,
                 dispatch_config=None):
   """One update; `config` calls the kernel module, else the dispatch."""
   table, row_state, last_step, tokens, grad_accum, row_sq = args
   if config is not None:
-    fn = lambda *a: adagrad.adagrad_apply(
-        *a, hparams=hp, interpret=backend == "interpret", config=config)
+    fn = lambda *a: adagrad_apply(*a, hparams=hp, backend=backend,
+                                  config=config)
   else:
-    fn = lambda *a: kernels.adagrad_apply(*a, hparams=hp, backend=backend,
+    fn = lambda *a: adagrad_apply(*a, hparams=hp, backend=backend,
                                           config=dispatch_config)
   out = jax.jit(fn)(jnp.asarray(table), jnp.asarray(row_state),
                     None if last_step is None else jnp.asarray(last_step),
@@ -182,7 +194,7 @@ class AdagradTest(parameterized.TestCase):
                                   ("lazy_wd", BF16, 3)):
       hp = HPARAMS[hp_name]
       args = adagrad_inputs(7, width, dtype, hp.lazy)
-      config = adagrad.AdagradConfig(block_rows=4)  # a partial last block
+      config = sparse_update.SparseUpdateConfig(block_rows=4)  # a partial last block
       got = run_adagrad(backend, args, hp, step=4, config=config)
       twin = run_adagrad("xla", args, hp, step=4)
       for g, t in zip(got, twin):
@@ -222,15 +234,8 @@ class AdagradTest(parameterized.TestCase):
 
   def test_argument_errors(self):
     args = [jnp.asarray(a) for a in adagrad_inputs(0, 4, F32, True)]
-    lazy, eager = HPARAMS["lazy_wd"], HPARAMS["eager_plain"]
-    tail = (True, 1, 0.1)
-    with self.assertRaisesRegex(ValueError, "lazy hparams need a last_step"):
-      reference.adagrad_apply(args[0], args[1], None, *args[3:], *tail,
-                              hparams=lazy)
-    with self.assertRaisesRegex(ValueError, "take last_step=None"):
-      adagrad.adagrad_apply(*args, *tail, hparams=eager, interpret=True)
     with self.assertRaisesRegex(ValueError, "block_rows must be a positive"):
-      adagrad.AdagradConfig(block_rows=6)
+      sparse_update.SparseUpdateConfig(block_rows=6)
 
   def test_row_sq_with_total_slot_is_accepted(self):
     hp = HPARAMS["eager_plain"]
@@ -250,10 +255,10 @@ class AdagradTest(parameterized.TestCase):
     hp_name, dtype, width, block_cols = case
     hp = HPARAMS[hp_name]
     args = adagrad_inputs(5, width, dtype, hp.lazy)
-    config = adagrad.AdagradConfig(block_rows=4, block_cols=block_cols)
+    config = sparse_update.SparseUpdateConfig(block_rows=4, block_cols=block_cols)
     got = run_adagrad(backend, args, hp, step=6, config=config)
     if block_cols is None:  # the heuristic splits a 520-wide f32 row too
-      resolved = adagrad.resolve_config(None, len(args[3]), width)
+      resolved = sparse_update.resolve_config(None, len(args[3]), width)
       self.assertLess(resolved.block_cols, width)
     twin = run_adagrad("xla", args, hp, step=6)
     want = np_adagrad(*args, apply=True, step=6, lr=0.1, hp=hp)
@@ -284,7 +289,7 @@ class AdagradTest(parameterized.TestCase):
     grad = rng.standard_normal((4, 3)).astype(F32)
     row_sq = (grad.astype(np.float64) ** 2).sum(axis=1).astype(F32)
     args = (table, row_state, None, tokens, grad, row_sq)
-    config = adagrad.AdagradConfig(block_rows=4, block_cols=4)
+    config = sparse_update.SparseUpdateConfig(block_rows=4, block_cols=4)
     twin = run_adagrad("xla", args, hp)
     guarded = run_adagrad("interpret", args, hp, config=config)
     np.testing.assert_array_equal(bits(guarded[0]), bits(twin[0]))
@@ -297,7 +302,7 @@ class AdagradTest(parameterized.TestCase):
   def test_dispatch_passes_config(self):
     hp = HPARAMS["lazy_decay"]
     args = adagrad_inputs(2, 6, F32, True)
-    config = adagrad.AdagradConfig(block_rows=2, block_cols=2, num_warps=1)
+    config = sparse_update.SparseUpdateConfig(block_rows=2, block_cols=2, num_warps=1)
     via_dispatch = run_adagrad("interpret", args, hp, dispatch_config=config)
     direct = run_adagrad("interpret", args, hp, config=config)
     for a, b in zip(via_dispatch, direct):
@@ -306,22 +311,22 @@ class AdagradTest(parameterized.TestCase):
   def test_config_checks(self):
     with self.assertRaisesRegex(ValueError, "block_rows must be a positive "
                                 "power of two, got 6"):
-      adagrad.AdagradConfig(block_rows=6)
+      sparse_update.SparseUpdateConfig(block_rows=6)
     with self.assertRaisesRegex(ValueError, "tile 64 x 512"):
-      adagrad.AdagradConfig(block_rows=64, block_cols=512)
+      sparse_update.SparseUpdateConfig(block_rows=64, block_cols=512)
 
   @parameterized.product(width=(1, 3, 8, 64, 128, 512, 4096),
                          num_unique=(1, 5000, 262145))
   def test_heuristic_tiles_fit(self, width, num_unique):
     """<= 1024 f32 per tile: with 4 warps, at most 8 elements per thread."""
-    c = adagrad.resolve_config(None, num_unique, width)
+    c = sparse_update.resolve_config(None, num_unique, width)
     self.assertLessEqual(c.block_rows * c.block_cols, 1024)
     self.assertLessEqual(c.block_rows * c.block_cols // (32 * c.num_warps), 8)
     self.assertLessEqual(c.block_cols, common.next_pow2(width))
 
   def test_int32_checks(self):
     hp = HPARAMS["eager_plain"]
-    fn = functools.partial(kernels.adagrad_apply, hparams=hp,
+    fn = functools.partial(adagrad_apply, hparams=hp,
                            backend="pallas")
     sds = jax.ShapeDtypeStruct
     def args(vocab_rows, num_unique, width):
@@ -354,7 +359,7 @@ class AdagradTest(parameterized.TestCase):
              jax.ShapeDtypeStruct((), jnp.bool_),
              jax.ShapeDtypeStruct((), jnp.int32),
              jax.ShapeDtypeStruct((), jnp.float32))
-    fn = lambda *a: kernels.adagrad_apply(*a, hparams=hp, backend="pallas")
+    fn = lambda *a: adagrad_apply(*a, hparams=hp, backend="pallas")
     text = jax.jit(fn, donate_argnums=(0, 1, 2)).trace(*specs).lower(
         lowering_platforms=("cuda",)).as_text()
     self.assertIn(TRITON_CALL, text)
@@ -377,55 +382,12 @@ class AdagradTest(parameterized.TestCase):
             jnp.arange(num_unique, dtype=jnp.int32),
             jnp.zeros((num_unique, width)), jnp.zeros(num_unique),
             jnp.asarray(True), jnp.int32(3), jnp.float32(0.1))
-    fn = lambda *a: reference.adagrad_apply(*a, hparams=hp)
+    fn = lambda *a: adagrad_apply(*a, hparams=hp, backend="xla")
     hlo = jax.jit(fn, donate_argnums=(0, 1, 2)).lower(*args).compile(
     ).as_text()
     bad = full_table_copies(hlo, (vocab_rows, width),
                             jnp.dtype(dtype).itemsize * 8)
     self.assertEqual(bad, [], msg=hlo)
-
-
-_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%([\w.\-]+) = (\w+)\[([\d,]*)\]\S* "
-                    r"([\w\-]+)\(")
-_COMP = re.compile(r"^(ENTRY )?%([\w.\-]+) .*\{\s*$")
-_BITS = {"f32": 32, "s32": 32, "u32": 32, "bf16": 16, "u16": 16, "s16": 16,
-         "f16": 16}
-
-
-def full_table_copies(hlo: str, shape, table_bits):
-  """Top-level instructions of compiled HLO producing a new table-sized array.
-
-  Allowed: parameters, bitcasts, and fusions rooted at a scatter, a
-  dynamic-update-slice or a bitcast(-convert) whose element width is the
-  table's (a bf16 table scattered as f32 was upcast).
-  """
-  dims = ",".join(map(str, shape))
-  roots, entry, current = {}, [], None
-  for line in hlo.splitlines():
-    comp = _COMP.match(line)
-    if comp:
-      current = "ENTRY" if comp.group(1) else comp.group(2)
-      continue
-    instr = _INSTR.match(line)
-    if not instr:
-      continue
-    name, dtype, shape_dims, opcode = instr.groups()
-    if current == "ENTRY":
-      entry.append((name, dtype, shape_dims, opcode, line))
-    if line.lstrip().startswith("ROOT"):
-      roots[current] = opcode
-  bad = []
-  for name, dtype, shape_dims, opcode, line in entry:
-    if shape_dims != dims or opcode in ("parameter", "bitcast"):
-      continue
-    if opcode == "fusion":
-      called = re.search(r"calls=%([\w.\-]+)", line).group(1)
-      if (roots.get(called) in ("scatter", "dynamic-update-slice",
-                                "bitcast-convert", "bitcast")
-          and _BITS.get(dtype) == table_bits):
-        continue
-    bad.append(line.strip()[:200])
-  return bad
 
 
 _INSTR = re.compile(r"^\s*(?:ROOT\s+)?%([\w.\-]+) = (\w+)\[([\d,]*)\]\S* "

@@ -88,25 +88,6 @@ def segment_sum_rows(grads, segment_ids, num_segments: int, *, round_dtype,
                                       config=config)
 
 
-def adagrad_apply(table, row_state, last_step, unique_tokens, grad_accum,
-                  row_sq, apply, step, learning_rate, *, hparams,
-                  backend: str, config=None):
-  """The row-wise Adagrad update on the rows a batch used.
-
-  Returns `(table, row_state, last_step)`; `last_step` is None in eager mode.
-  """
-  if not _pallas(backend):
-    return reference.adagrad_apply(table, row_state, last_step,
-                                   unique_tokens, grad_accum, row_sq, apply,
-                                   step, learning_rate, hparams=hparams)
-  from pallas_emb.kernels import adagrad  # pylint: disable=g-import-not-at-top
-  return adagrad.adagrad_apply(table, row_state, last_step, unique_tokens,
-                               grad_accum, row_sq, apply, step,
-                               learning_rate, hparams=hparams,
-                               interpret=backend == "interpret",
-                               config=config)
-
-
 def sparse_update_rows(rule, table, row_state, element_state,
                        unique_tokens, grad_accum, row_sq, apply, step,
                        scalars, *, emb_width, backend: str, config=None):

@@ -238,16 +238,6 @@ def check_update_args(rule, table, row_state, element_state, unique_tokens,
   return row_sq
 
 
-def check_adagrad_args(last_step, hparams) -> None:
-  """The row-wise Adagrad entry points' own check: last_step iff lazy."""
-  if hparams.lazy and last_step is None:
-    raise ValueError("pallas_emb adagrad_apply: lazy hparams need a "
-                     "last_step array, got None.")
-  if not hparams.lazy and last_step is not None:
-    raise ValueError("pallas_emb adagrad_apply: eager hparams (lazy=False) "
-                     "take last_step=None; pass lazy=True to use it.")
-
-
 def unfused_product(x: jax.Array, y: jax.Array) -> jax.Array:
   """`x * y` rounded to f32 on its own, never contracted into an FMA.
 

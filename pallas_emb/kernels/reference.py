@@ -104,17 +104,6 @@ def sparse_update(rule, table, row_state, element_state, unique_tokens,
   return table, row_state, element_state
 
 
-def adagrad_apply(table, row_state, last_step, unique_tokens, grad_accum,
-                  row_sq, apply, step, learning_rate, *, hparams):
-  """Twin of `adagrad.adagrad_apply`: `sparse_update` with its rule."""
-  common.check_adagrad_args(last_step, hparams)
-  rule = common.AdagradRule(hparams)
-  table, rows, _ = sparse_update(
-      rule, table, (row_state,) + (() if last_step is None else (last_step,)),
-      (), unique_tokens, grad_accum, row_sq, apply, step, (learning_rate,))
-  return table, rows[0], rows[1] if hparams.lazy else None
-
-
 def pool_rows(table, rows, weights, bag_starts, *, max_len: int):
   """Twin of `pool.pool_rows`: the same sums in the same order.
 

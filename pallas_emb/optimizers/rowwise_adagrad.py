@@ -1,8 +1,8 @@
 """Row-wise Adagrad: one f32 accumulator per row.
 
 The math is `kernels.common.AdagradRule` (`adagrad_row_update` /
-`adagrad_new_values`), which the row-wise Adagrad kernel entry point
-(`kernels.adagrad`) uses too, so both give the same bits.
+`adagrad_new_values`), which the generic update kernel and its twin both
+call, so both give the same bits.
 """
 
 from __future__ import annotations
