@@ -66,7 +66,7 @@ from typing import Any, Callable
 from absl import app
 from absl import flags
 
-import configs
+from examples.config import load_file
 from pallas_emb.datasets import zipf_ids
 from pallas_emb.testing.hlo import collective_bytes
 from pallas_emb.testing.hlo import full_table_ops
@@ -175,7 +175,7 @@ _save_partial: Callable[[list], None] = lambda records: None
 
 def load_config(path: str) -> dict[str, Any]:
   """`get_config()` of a python file, as a dict of flag values."""
-  config = configs.load_file(path, "bench.bench")
+  config = load_file(path, "bench.bench")
   if dataclasses.is_dataclass(config):
     config = dataclasses.asdict(config)
   return dict(config)

@@ -66,7 +66,7 @@ class Run:
 
 
 def sparse_optimizer(config: TrainConfig, lr: float,
-                      weight_decay: float | None = None) -> pe.RowwiseAdagrad:
+                     weight_decay: float | None = None) -> pe.RowwiseAdagrad:
   return pe.RowwiseAdagrad(
       lr, eps=config.emb_eps,
       initial_accumulator_value=config.emb_initial_accumulator,
@@ -76,7 +76,7 @@ def sparse_optimizer(config: TrainConfig, lr: float,
 
 
 def build_biased_mf(config: TrainConfig, mesh, train_ds: datasets.Dataset,
-                     dtype) -> tuple[BiasedMF, pe.EmbeddingCollection]:
+                    dtype) -> tuple[BiasedMF, pe.EmbeddingCollection]:
   """Two Embed tables (user, item), trained through a collection."""
   # The Embed layers fix the batch size of their contexts; the collection
   # (tables named after the Embeds' module paths) trains them.
@@ -104,8 +104,8 @@ def build_biased_mf(config: TrainConfig, mesh, train_ds: datasets.Dataset,
 
 
 def build_features(config: FeaturesConfig, mesh, data: Data, dtype
-                    ) -> tuple[FeatureMF, pe.EmbeddingCollection,
-                               feature_lib.Featurizer]:
+                   ) -> tuple[FeatureMF, pe.EmbeddingCollection,
+                              feature_lib.Featurizer]:
   """The feature model: ids, side features and the implicit bag."""
   train_ds = data.train
   users = data.users if config.user_features else None

