@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import functools
 import itertools
 import json
 import time
@@ -59,6 +58,8 @@ WHATS = ("gather", "segment_sum", "update", "step")
 SWEPT = ("gather", "segment_sum", "update")
 OPTIMIZERS = {"rowwise_adagrad": lambda: pe.RowwiseAdagrad(
     0.05, half_life_steps=2500.0, weight_decay=1.4e-4, lazy=True),
+              # No decay: no last_step state, no exp per row.
+              "rowwise_adagrad_plain": lambda: pe.RowwiseAdagrad(0.05),
               "adagrad": lambda: pe.Adagrad(0.05),
               "adam": lambda: pe.Adam(0.05),
               "partial_rowwise_adam": lambda: pe.PartialRowwiseAdam(0.05),

@@ -15,15 +15,15 @@ from pallas_emb import checkpoint
 from pallas_emb import datasets
 
 
-def checkpoint_extra(state: pe.PipelineState, step: int, next_embeddings):
+def checkpoint_extra(state: pe.PipelineState, step: int, embeddings):
   """What a checkpoint stores besides the collection's logical tables.
 
-  `next_embeddings` are the embeddings the next step consumes (see
+  `embeddings` are the embeddings the next step consumes (see
   `next_embeddings`): with them a pipelined run resumes exactly.
   """
   return {"dense_params": state.dense_params,
           "dense_opt_state": state.dense_opt_state, "step": step,
-          "next_embeddings": next_embeddings}
+          "next_embeddings": embeddings}
 
 
 def next_embeddings(run: Run, state: pe.PipelineState, next_batch):
