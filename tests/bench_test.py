@@ -1,9 +1,9 @@
 """Smoke tests of `python -m bench.bench` and `python -m bench.kernels`.
 
-At tiny sizes, each --what runs in a fresh process (the bench sets the simulated device
-count before JAX starts, which an in-process run could not do), with one
-timed round, and the JSON it writes is checked for the fields the README and
-the GPU check read. Its HLO helpers (`pallas_emb.testing.hlo`) are tested
+At tiny sizes, each run is a fresh process (the bench sets the simulated
+device count before JAX starts, which an in-process run could not do), with
+one timed round, and the JSON it writes is checked for the fields the README
+and the GPU check read. Its HLO helpers (`pallas_emb.testing.hlo`) are tested
 in hlo_test.py, its ids (`pallas_emb.datasets.zipf_ids`) in datasets_test.py.
 """
 
