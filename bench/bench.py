@@ -1,4 +1,4 @@
-"""Benchmarks: lookup, sparse update, a full sparse step, and the raw kernels.
+"""Benchmarks of the public API: lookup, sparse update, a full sparse step.
 
 Run from the repository root (`pip install -e ".[examples]"` brings optax and
 matplotlib):
@@ -6,9 +6,6 @@ matplotlib):
     python -m bench.bench --what=step --num_devices=8
     python -m bench.bench --what=lookup --dtype=float32,bfloat16
     python -m bench.bench --what=step --scan --plot_out=scan.png
-    python -m bench.bench --what=kernels --backends=pallas,xla     # GPU
-    python -m bench.bench --what=kernels --backends=interpret,xla \
-        --vocab_rows=4096 --kernel_tokens=256 --repeats=2               # dry run
 
 What is timed (each jitted, table and optimizer state donated):
 
@@ -40,8 +37,8 @@ ids are `pallas_emb.datasets.zipf_ids` over rows 1..vocab_rows-1 (row 0, the
 padding id, gets no gradient and is never drawn), all batches from one draw,
 so the same rows are hot in every batch. On a
 GPU the kept calls of a burst are dispatched back to back and waited for
-once (`--pipelined_timing`). `--what=kernels` times the three Pallas
-kernels against their xla twins on one shard, `--inner` ops per executable.
+once (`--pipelined_timing`). The kernels alone (Pallas vs their xla twins,
+and their block-size sweeps) are `python -m bench.kernels`.
 
 Sizes are in absl flags (`--help`), optionally preset by
 `--config=configs/bench_x.py` (a python file whose `get_config()` returns a
@@ -66,12 +63,12 @@ from typing import Any, Callable
 from absl import app
 from absl import flags
 
-import configs
+from examples.config import load_file
 from pallas_emb.datasets import zipf_ids
 from pallas_emb.testing.hlo import collective_bytes
 from pallas_emb.testing.hlo import full_table_ops
 
-WHATS = ("lookup", "update", "step", "kernels")
+WHATS = ("lookup", "update", "step")
 
 _WHAT = flags.DEFINE_enum("what", "step", WHATS, "Piece to time.")
 _CONFIG = flags.DEFINE_string(
@@ -150,18 +147,9 @@ _SCAN_REPEATS = flags.DEFINE_integer("scan_repeats", 5,
 _SCAN_DENSE_GB = flags.DEFINE_float(
     "scan_max_dense_gb", 2.0, "Scan: run the dense baseline only where its "
     "estimated footprint is below this (it is slow and big).")
-_KERNEL_WIDTHS = flags.DEFINE_list("kernel_widths", ["8", "16", "64", "128"],
-                                   "Kernels: shard widths.")
-_KERNEL_TOKENS = flags.DEFINE_list("kernel_tokens", ["16384", "131072"],
-                                   "Kernels: ids per call.")
-_INNER = flags.DEFINE_integer(
-    "inner", 1, "Kernels: ops per executable (a fori_loop), so host dispatch "
-    "does not dominate microsecond kernels on a GPU.")
 _PIPELINED = flags.DEFINE_enum(
     "pipelined_timing", "auto", ["auto", "on", "off"],
     "Dispatch a burst's calls back to back and wait once (auto: on for GPU).")
-
-FILL_VALUE = 2**31 - 1
 
 # Set by main when --json_out is given: writes the records so far, so a
 # run killed by a timeout still leaves what it measured.
@@ -175,7 +163,7 @@ _save_partial: Callable[[list], None] = lambda records: None
 
 def load_config(path: str) -> dict[str, Any]:
   """`get_config()` of a python file, as a dict of flag values."""
-  config = configs.load_file(path, "bench.bench")
+  config = load_file(path, "bench.bench")
   if dataclasses.is_dataclass(config):
     config = dataclasses.asdict(config)
   return dict(config)
@@ -657,165 +645,6 @@ def run_workloads(works: list[Workload], what: str, backends, baselines,
 
 
 # ---------------------------------------------------------------------------
-# kernels (the GPU check; `--backends=interpret,xla` + tiny sizes on CPU)
-# ---------------------------------------------------------------------------
-
-
-def _repeat(op, inner: int):
-  """`op(k)` applied `inner` times inside one executable (fori_loop).
-
-  Each iteration's inputs depend on k (so XLA cannot hoist the op out of
-  the loop) and its output is the loop carry (so it cannot be dropped); the
-  host dispatches once per `inner` ops. inner=1: just `op(0)`.
-  """
-  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
-  from jax import lax  # pylint: disable=g-import-not-at-top
-  first = op(jnp.int32(0), None)
-  if inner <= 1:
-    return first
-  return lax.fori_loop(1, inner, lambda k, carry: op(k, carry), first)
-
-
-def kernel_cases(vocab_rows: int, width: int, tokens: int, dtype: str,
-                 backends: list[str], seed: int, zipf: float,
-                 inner: int = 1) -> list[Case]:
-  """gather / segment-sum / adagrad kernels and their xla twins on one shard.
-
-  Next to them an elementwise copy (`x + k`: read + write, what a
-  device-to-device copy moves) of the gather's output size, so each
-  kernel's bytes/s reads against what the device moves at that size. Each
-  executable runs its op `inner` times (see `_repeat`); times are per op.
-  """
-  import jax  # pylint: disable=g-import-not-at-top
-  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
-  import numpy as np  # pylint: disable=g-import-not-at-top
-  from jax.sharding import SingleDeviceSharding  # pylint: disable=g-import-not-at-top
-  from pallas_emb import kernels  # pylint: disable=g-import-not-at-top
-  from pallas_emb.kernels.hparams import AdagradHParams  # pylint: disable=g-import-not-at-top
-
-  rng = np.random.default_rng(seed)
-  dt = jnp.dtype(dtype)
-  b = dt.itemsize
-  device = jax.devices()[0]
-  sharding = SingleDeviceSharding(device)
-  put = lambda x: jax.device_put(x, device)
-  ids_np = zipf_ids(rng, vocab_rows - 1, tokens, zipf)
-  uniq, inverse = np.unique(ids_np, return_inverse=True)
-  num_unique = tokens + 1
-  distinct = int(uniq.size)
-  tokens_pad = np.full((num_unique,), FILL_VALUE, np.int32)
-  tokens_pad[:distinct] = uniq
-  ids = put(ids_np)
-  tag = {"width": width, "tokens": tokens, "vocab_rows": vocab_rows,
-         "distinct_ids": distinct, "inner": inner}
-  per_op = 1.0 / max(inner, 1)
-  cases = []
-
-  out_like = put(jnp.zeros((tokens, width), dt))
-  copy = jax.jit(lambda x: _repeat(
-      lambda k, c: x + (k + 1).astype(x.dtype), inner))
-  cases.append(Case("kernels", "copy", "copy", dtype,
-                    copy.lower(out_like).compile(), [out_like], None,
-                    2.0 * tokens * width * b, extra=dict(tag)))
-
-  table = _put_table((vocab_rows, width), dt, sharding, seed)
-  for backend in backends:
-    def gather(t, i, bk=backend):
-      return _repeat(lambda k, c: kernels.gather_rows(
-          t, (i + k) % vocab_rows, backend=bk), inner)
-    fn = jax.jit(gather)
-    cases.append(Case("kernels", "gather", backend, dtype,
-                      fn.lower(table, ids).compile(), [table, ids], None,
-                      2.0 * tokens * width * b + 4 * tokens,
-                      extra=dict(tag)))
-
-  grads = put((0.01 * rng.standard_normal((tokens, width))).astype(dt))
-  seg_ids = put(inverse.astype(np.int32))
-  for backend in backends:
-    def segsum(g, s, bk=backend):
-      return _repeat(lambda k, c: kernels.segment_sum_rows(
-          g, jnp.where(s >= 0, (s + k) % distinct, s), num_unique,
-          round_dtype=dt, backend=bk), inner)
-    fn = jax.jit(segsum)
-    cases.append(Case("kernels", "segment_sum", backend, dtype,
-                      fn.lower(grads, seg_ids).compile(), [grads, seg_ids],
-                      None,
-                      tokens * width * b + 4 * tokens + distinct * width * 4,
-                      extra=dict(tag)))
-
-  hp = AdagradHParams(eps=1e-8, inv_width=1.0 / width)
-  accum = put((0.01 * rng.standard_normal((num_unique, width))).astype(
-      np.float32))
-  row_sq = put(np.abs(rng.standard_normal(num_unique + 1)).astype(
-      np.float32))
-  uniq_dev = put(tokens_pad)
-  for backend in backends:
-    tab = _put_table((vocab_rows, width), dt, sharding, seed)
-    state = put(jnp.zeros((vocab_rows,), jnp.float32))
-
-    def adagrad(t, s, u, g, r, bk=backend):
-      def once(k, carry):
-        t_, s_ = (t, s) if carry is None else carry
-        t_, s_, _ = kernels.adagrad_apply(
-            t_, s_, None, u, g, r, jnp.asarray(True), jnp.int32(0),
-            jnp.float32(0.01), hparams=hp, backend=bk)
-        return t_, s_
-      return _repeat(once, inner)
-    fn = jax.jit(adagrad, donate_argnums=(0, 1))
-    args = [tab, state, uniq_dev, accum, row_sq]
-    cases.append(Case("kernels", "adagrad", backend, dtype,
-                      fn.lower(*args).compile(), args,
-                      lambda out, a: [out[0], out[1]] + a[2:],
-                      distinct * (2.0 * width * b + width * 4 + 8) +
-                      4 * num_unique, extra=dict(tag)))
-  for case in cases:
-    case.extra["per_op"] = per_op
-  return cases
-
-
-def run_kernels(backends, repeats, warmup, pipelined) -> list[dict]:
-  import jax  # pylint: disable=g-import-not-at-top
-  records = []
-  widths = [int(w) for w in _KERNEL_WIDTHS.value]
-  token_counts = [int(float(t)) for t in _KERNEL_TOKENS.value]
-  copy = copy_case(jax.devices(), _COPY_MB.value)
-  for dtype in _DTYPE.value:
-    for width in widths:
-      for tokens in token_counts:
-        cases = kernel_cases(_VOCAB.value, width, tokens, dtype, backends,
-                             _SEED.value, _ZIPF.value, _INNER.value)
-        time_cases(cases + [copy], repeats, warmup, _BURST.value, pipelined)
-        copy_gbps = copy.bytes_moved / _stats(copy.times)["median_s"] / 1e9
-        copy.times.clear()
-        for case in cases:
-          case.times = [t * case.extra["per_op"] for t in case.times]
-        small_copy = next(c for c in cases if c.name == "copy")
-        small_gbps = small_copy.bytes_moved / _stats(
-            small_copy.times)["median_s"] / 1e9
-        group = []
-        for case in cases:
-          rec = summarize(case, copy_gbps, None,
-                          {"group_size": 1, "shard_width": width},
-                          _VOCAB.value if case.name == "adagrad" else None)
-          rec["copy_gbps"] = copy_gbps
-          rec["frac_same_size_copy"] = rec["gbps"] / small_gbps
-          group.append(rec)
-        for rec in group:
-          twin = next((r for r in group if r["case"] == rec["case"] and
-                       r["backend"] == "xla"), None)
-          if twin is not None:
-            rec["speedup_vs_xla"] = twin["median_s"] / rec["median_s"]
-        records += group
-        _save_partial(records)
-        print(f"kernels {dtype} width={width} tokens={tokens}: " + ", ".join(
-            f"{r['case']}[{r['backend']}] {r['gbps']:.1f} GB/s"
-            for r in group), flush=True)
-        for case in cases:
-          case.args = []
-  return records
-
-
-# ---------------------------------------------------------------------------
 # output
 # ---------------------------------------------------------------------------
 
@@ -835,16 +664,10 @@ def _coll_total(colls: dict, key: str = "wire_bytes") -> float:
 
 def format_table(records: list[dict]) -> str:
   """A fixed-width table of the result records."""
-  kern = any(r["what"] == "kernels" for r in records)
-  if kern:
-    head = ("op", "backend", "dtype", "width", "tokens", "median ms",
-            "IQR ms", "GB/s", "%copy", "%same-size copy", "vs xla")
-  else:
-    head = ("what", "case", "optimizer", "backend", "dtype", "dev", "rows",
-            "tokens", "median ms", "IQR ms", "min-max ms", "Mtok/s", "GB/s",
-            "%copy",
-            "gath GB/s", "temp", "peak", "coll HLO", "coll min",
-            "tbl ops", "vs dense", "temp/dense", "vs xla")
+  head = ("what", "case", "optimizer", "backend", "dtype", "dev", "rows",
+          "tokens", "median ms", "IQR ms", "min-max ms", "Mtok/s", "GB/s",
+          "%copy", "gath GB/s", "temp", "peak", "coll HLO", "coll min",
+          "tbl ops", "vs dense", "temp/dense", "vs xla")
   rows = [head]
   skipped = []
   for r in records:
@@ -860,13 +683,6 @@ def format_table(records: list[dict]) -> str:
     pct = (f"{100 * r['frac_copy_bw']:.0f}%" if r.get("frac_copy_bw")
            else "-")
     ratio = lambda k: f"{r[k]:.2f}x" if r.get(k) is not None else "-"
-    if kern:
-      rows.append((r["case"], r["backend"], r["dtype"], str(r["width"]),
-                   str(r["tokens"]), ms("median_s"), iqr,
-                   f"{r['gbps']:.2f}", pct,
-                   f"{100 * r['frac_same_size_copy']:.0f}%",
-                   ratio("speedup_vs_xla")))
-      continue
     mem = r.get("memory", {})
     rows.append((
         r["what"], r["case"],
@@ -965,10 +781,6 @@ def run(argv_flags=None) -> dict:
   pipelined = (_PIPELINED.value == "on" or
                (_PIPELINED.value == "auto" and devices[0].platform == "gpu"))
   doc["meta"]["pipelined_timing"] = pipelined
-  if what == "kernels":
-    doc["results"] = run_kernels(backends, _REPEATS.value, _WARMUP.value,
-                                 pipelined)
-    return doc
   copy = copy_case(devices, _COPY_MB.value)
 
   def work(**over):

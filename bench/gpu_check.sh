@@ -6,8 +6,9 @@
 #   gpu_check.log  everything printed, with stage timings; starts with the
 #                  environment (nvidia-smi, versions, jax.devices())
 #   pytest.txt     the test stages' output
-#   bench.json     bench/kernels.py: gather / segment-sum / Adagrad / full
-#                  step, pallas vs the xla twins vs a device copy, 10M-row
+#   bench.json     bench/kernels.py: gather / segment-sum / sparse update
+#                  (lazy row-wise Adagrad) / full step, pallas vs the xla
+#                  twins vs a device copy, 10M-row
 #                  tables, Zipf and uniform ids, bf16 first, each output
 #                  checked against the twin at benchmark size
 #   summary.json   per stage: return code, seconds, timed out or skipped

@@ -7,7 +7,7 @@ Do not run it as is on a laptop; a smoke test overrides the sizes:
         --num_steps=4 --batch_size=8192
 """
 
-from configs import TrainConfig
+from examples.config import TrainConfig
 
 
 def get_config() -> TrainConfig:

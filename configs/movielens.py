@@ -6,7 +6,7 @@ Test RMSE <= 0.93 on the held-out 20% for split seeds 0..4 (Surprise's SVD
 gets 0.934), in about a minute on a 2-core CPU.
 """
 
-from configs import TrainConfig
+from examples.config import TrainConfig
 
 
 def get_config() -> TrainConfig:

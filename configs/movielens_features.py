@@ -18,7 +18,7 @@ Feature groups switch off with --nouser_features, --noitem_features and
 --noimplicit (the ablation rows of the README).
 """
 
-from examples.feature_config import FeaturesConfig
+from examples.config import FeaturesConfig
 
 
 def get_config() -> FeaturesConfig:

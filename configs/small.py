@@ -1,6 +1,6 @@
 """Small synthetic run: ~1M examples, 100k-row tables; a minute or two on CPU."""
 
-from configs import TrainConfig
+from examples.config import TrainConfig
 
 
 def get_config() -> TrainConfig:

@@ -1,6 +1,6 @@
 """Tiny synthetic run for CI: a few seconds on one CPU (8 simulated devices)."""
 
-from configs import TrainConfig
+from examples.config import TrainConfig
 
 
 def get_config() -> TrainConfig:

@@ -1,1 +1,1 @@
-"""Example programs built on pallas_emb: `python -m examples.train --config=configs/tiny.py`."""
+"""Example programs built on pallas_emb (`python -m examples.train --help`)."""

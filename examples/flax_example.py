@@ -57,7 +57,7 @@ def main(steps=100):
   step = jax.jit(trainer.step, donate_argnums=0)
   for t in range(steps):  # pipelined: also pass the next batch
     state, metrics = step(state, batches[t], batches[min(t + 1, steps - 1)])
-    jax.block_until_ready(metrics.loss)  # XLA:CPU, see examples/train.py
+    jax.block_until_ready(metrics.loss)  # XLA:CPU, see examples/loop.py
   state, _ = trainer.flush(state)  # the last staged update
   print(coll.plan)
   print(f"loss after {steps} steps: {float(metrics.loss):.5f}")

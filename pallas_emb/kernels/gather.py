@@ -13,7 +13,7 @@ the offsets are `rows[:, None] * width + cols[None, :]`, so Triton sees
 loads and stores. Ids are wrapped and clamped into the table, so every
 load is in range; the store is masked per row.
 
-Run `python -m pallas_emb.kernels.gather --help` for the block-size sweep.
+`python -m bench.kernels --sweep --what=gather` sweeps its block sizes.
 """
 
 from __future__ import annotations
@@ -103,52 +103,3 @@ def gather_rows(table: jax.Array, ids: jax.Array, *,
         name="pallas_emb_gather",
     )(ids, table.reshape(-1))
   return out.reshape(num_ids, width)
-
-
-# --------------------------------------------------------------------------
-# Block-size sweep: python -m pallas_emb.kernels.gather
-# --------------------------------------------------------------------------
-
-
-def main(argv=None) -> None:
-  from pallas_emb.kernels import reference  # pylint: disable=g-import-not-at-top
-  from pallas_emb.kernels import sweep  # pylint: disable=g-import-not-at-top
-
-  args = sweep.parse_args("gather", argv, rows=10_000_000, tokens=262_144)
-
-  def setup(width, dtype, key):
-    table = jax.random.normal(key, (args.rows, width), jnp.float32).astype(
-        dtype)
-    ids = jnp.asarray(sweep.zipf_ids(args.tokens, args.rows, args.zipf,
-                                     args.seed))
-    return table, ids
-
-  def run(config, table, ids):
-    return gather_rows(table, ids, config=config, interpret=args.interpret)
-
-  def twin(table, ids):
-    return reference.gather_rows(table, ids)
-
-  def candidates(width, dtype):
-    itemsize = jnp.dtype(dtype).itemsize
-    for block_cols in sweep.pow2_down(1, common.next_pow2(width)):
-      if block_cols * itemsize > 4 * _MAX_ROW_BYTES:
-        continue
-      for block_rows in sweep.pow2_down(1, 4096):
-        if not 128 <= block_rows * block_cols <= common.MAX_TILE_ELEMENTS:
-          continue
-        for num_warps in (1, 2, 4, 8):
-          yield GatherConfig(block_rows, block_cols, num_warps)
-
-  def bytes_moved(width, dtype):
-    return 2 * args.tokens * width * jnp.dtype(dtype).itemsize
-
-  sweep.run_sweep(
-      args, setup=setup, run=run, twin=twin, candidates=candidates,
-      default=lambda width, dtype: resolve_config(None, args.tokens, width,
-                                                  dtype),
-      bytes_moved=bytes_moved, exact=True)
-
-
-if __name__ == "__main__":
-  main()

@@ -30,7 +30,7 @@ per-row masks on 1-D vectors (`rows[:, None] * width + cols[None, :]`), so
 row accesses are contiguous vector loads/stores; wide shards loop over
 column blocks.
 
-Run `python -m pallas_emb.kernels.segment_sum --help` for the sweep.
+`python -m bench.kernels --sweep --what=segment_sum` sweeps its block sizes.
 """
 
 from __future__ import annotations
@@ -345,57 +345,3 @@ def segment_sum_rows(grads: jax.Array, segment_ids: jax.Array,
     )(start, end, order, grads.reshape(-1), pieces)
   row_sq = jnp.concatenate([row_sq, jnp.sum(row_sq, keepdims=True)])
   return accum.reshape(num_segments, width), row_sq
-
-
-# --------------------------------------------------------------------------
-# Block-size sweep: python -m pallas_emb.kernels.segment_sum
-# --------------------------------------------------------------------------
-
-
-def main(argv=None) -> None:
-  import numpy as np  # pylint: disable=g-import-not-at-top
-  from pallas_emb.kernels import reference  # pylint: disable=g-import-not-at-top
-  from pallas_emb.kernels import sweep  # pylint: disable=g-import-not-at-top
-
-  args = sweep.parse_args("segment_sum", argv, rows=10_000_000,
-                          tokens=262_144)
-  ids = sweep.zipf_ids(args.tokens, args.rows, args.zipf, args.seed)
-  _, segments = np.unique(ids, return_inverse=True)
-  num_segments = int(segments.max()) + 2  # one empty slot, as dedup pads
-
-  def setup(width, dtype, key):
-    grads = jax.random.normal(key, (args.tokens, width),
-                              jnp.float32).astype(dtype)
-    return grads, jnp.asarray(segments.astype(np.int32))
-
-  def run(config, grads, segs):
-    return segment_sum_rows(grads, segs, num_segments, round_dtype=grads.dtype,
-                            interpret=args.interpret, config=config)
-
-  def twin(grads, segs):
-    return reference.segment_sum_rows(grads, segs, num_segments,
-                                      round_dtype=grads.dtype)
-
-  def candidates(width, dtype):
-    del dtype
-    top = common.next_pow2(width)
-    for block_cols in sweep.pow2_down(min(top, 8), min(top, 256)):
-      for block_segments in sweep.pow2_down(16, 1024):
-        if block_segments * block_cols > 4096:
-          continue
-        for piece_rows in (16, 32, 64, 128):
-          yield SegmentSumConfig(piece_rows, block_segments, block_cols)
-
-  def bytes_moved(width, dtype):
-    return args.tokens * width * (jnp.dtype(dtype).itemsize
-                                  + 4 * num_segments / args.tokens)
-
-  sweep.run_sweep(
-      args, setup=setup, run=run, twin=twin, candidates=candidates,
-      default=lambda width, dtype: resolve_config(None, args.tokens,
-                                                  num_segments, width),
-      bytes_moved=bytes_moved, exact=False)
-
-
-if __name__ == "__main__":
-  main()

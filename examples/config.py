@@ -1,13 +1,14 @@
-"""Named workloads for the programs: `python -m examples.train --config=configs/<name>.py`.
+"""The training program's configs: TrainConfig, FeaturesConfig, the loader.
 
-A training config is a python file defining `get_config() -> TrainConfig`.
-Every field is also a command-line flag of the program (`--<field>=value`)
-whose default is the config file's value; `--help` lists them with the help
-text below. A benchmark config (`bench_*.py`) returns a dict of
-`python -m bench.bench` flags.
+A training config is a python file in configs/ defining `get_config()` that
+returns a `TrainConfig` (the biased MF) or a `FeaturesConfig` (the feature
+model, MovieLens only); it imports the class from here. Every field is also
+a command-line flag of `python -m examples.train` (`--<field>=value`, see
+examples/cli.py) whose default is the config file's value; `--help` lists
+them with the help text below. `load_file` also reads the benchmark configs
+(`configs/bench_*.py`, a dict of `python -m bench.bench` flags).
 
 Plain python, no jax: the programs load a config before they import jax.
-Not installed by `pip install`: the programs import it from the repo root.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ import dataclasses
 import importlib.util
 import os
 from typing import Any
+
+PROGRAM = "examples.train"
 
 
 class ConfigError(ValueError):
@@ -116,3 +119,75 @@ class TrainConfig:
       0, "With --distributed: number of processes; 0: auto-detect.")
   process_id: int = _field(
       -1, "With --distributed: this process's index; -1: auto-detect.")
+
+
+@dataclasses.dataclass(frozen=True)
+class FeaturesConfig(TrainConfig):
+  """TrainConfig + the feature model's groups, tables and validation split.
+
+  emb_width is the width of the id tables ("users", "items"): the factors
+  plus the bias column, as in the biased MF.
+  """
+
+  # --- feature groups (the ablation switches) ---
+  user_features: bool = _field(
+      True, "User side features: age bucket, gender, occupation, zip "
+      "prefix (from ml-100k.user).")
+  item_features: bool = _field(
+      True, "Item side features: release-year bucket, genres (bag), title "
+      "words (bag, hashed) (from ml-100k.item).")
+  implicit: bool = _field(
+      True, "SVD++ implicit feedback: per user, the bag of items the user "
+      "rated in the training split (never a test or validation rating), "
+      "sqrtn-pooled.")
+  implicit_table: str = _field(
+      "items", "Table of the implicit bag: 'items' (shared with the item "
+      "ids) or 'implicit' (its own table 'implicit_items', SVD++'s y_j).")
+  implicit_lr: float = _field(
+      0.0, "RowwiseAdagrad learning rate of the 'implicit' table; 0: emb_lr "
+      "(with implicit_table='items' the items table's optimizer applies).")
+  implicit_weight_decay: float = _field(
+      0.0, "RowwiseAdagrad weight decay of the 'implicit' table (each row a "
+      "step touches is multiplied by exp(-weight_decay)).")
+  implicit_max_len: int = _field(
+      0, "Cap on an implicit bag's length: a user with more training items "
+      "keeps a fixed random subset of this many; 0: no cap.")
+
+  # --- side tables ---
+  side_width: int = _field(
+      16, "Width of the side-feature tables (a second stack); a dense layer "
+      "maps them to the factors and the bias.")
+  side_lr: float = _field(0.05, "RowwiseAdagrad learning rate of the side "
+                          "tables.")
+  side_l2: float = _field(
+      0.0, "L2 penalty on the looked-up side embeddings, per example.")
+  zip_prefix_len: int = _field(1, "Zip code characters kept as the zip "
+                               "feature.")
+  year_bucket: int = _field(5, "Release years per year bucket.")
+  title_buckets: int = _field(1024, "Hash buckets of the title words.")
+
+  # --- evaluation ---
+  validation_fraction: float = _field(
+      0.0, "Tuning: carve this fraction of the TRAINING split (seeded by "
+      "split_seed) as a validation set, train on the rest and evaluate on "
+      "the validation set; the test split is not used. 0: train on the "
+      "whole training split and evaluate on test.")
+  eval_batch_size: int = _field(
+      4096, "Examples per evaluation batch (any size: the last batch is "
+      "padded only to a multiple of the device count).")
+
+
+# The config classes by name: TrainConfig runs the biased MF, FeaturesConfig
+# the feature model.
+CONFIG_CLASSES = {cls.__name__: cls for cls in (TrainConfig, FeaturesConfig)}
+
+
+def load_config(path: str, program: str = PROGRAM) -> TrainConfig:
+  """The TrainConfig (or FeaturesConfig) `get_config()` of `path` returns."""
+  config = load_file(path, program)
+  cls = CONFIG_CLASSES.get(type(config).__name__)
+  if cls is None or not dataclasses.is_dataclass(config):
+    raise ConfigError(f"{program}: {path}: get_config() returned a "
+                      f"{type(config).__name__}; expected "
+                      "examples.config.TrainConfig or FeaturesConfig.")
+  return cls(**dataclasses.asdict(config))
