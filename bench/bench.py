@@ -115,7 +115,7 @@ OPTIMIZERS = ("sgd", "adagrad", "rowwise_adagrad", "adam",
               "partial_rowwise_adam", "ftrl")
 _OPTIMIZER = flags.DEFINE_list(
     "optimizer", ["rowwise_adagrad"],
-    f"The table's sparse optimizer(s) (DESIGN §12), of {OPTIMIZERS}; "
+    f"The table's sparse optimizer(s), of {OPTIMIZERS}; "
     "several are timed in the same rounds (--scan: the first). Default "
     "hyper-parameters but --learning_rate; --lazy applies to "
     "rowwise_adagrad.")
@@ -212,7 +212,7 @@ def configure_jax(num_devices: int, extra_flags: str = "") -> None:
 def collective_minimum(what: str, group_size: int, tokens_per_rank: int,
                        emb_width: int, num_unique: int, table_bytes: int,
                        grad_bytes: int) -> dict[str, dict]:
-  """Analytic minimum per device of the column-sharded layout (DESIGN §3-4).
+  """Analytic minimum per device of the column-sharded layout.
 
   lookup: all-gather the ids once (W*T int32 result) and one all-to-all of
   the served rows (T*E values per device, in and out). update: the same
