@@ -260,7 +260,7 @@ def grad_sums_by_position(layout: StackLayout, grads: Sequence[jax.Array],
   routed = _routed_rows(layout, grads)
   width = routed.shape[-1]
   segments = segments.reshape(w, layout.entries)
-  slots = lambda s: kernels.reference.kept_segments(s, num_unique)
+  slots = lambda s: kernels.xla.kept_segments(s, num_unique)
   accum = jnp.zeros((num_unique, width), jnp.float32)
   if layout.sequence:
     accum = accum.at[slots(segments[:, :layout.sequence_entries]).reshape(

@@ -25,6 +25,7 @@ import adagrad_test
 import pallas_emb as pe
 from pallas_emb import kernels
 from pallas_emb.kernels import reference
+from pallas_emb.kernels import xla
 from pallas_emb.kernels import sparse_update
 from pallas_emb.optimizers import base
 from pallas_emb.testing import hlo
@@ -184,7 +185,7 @@ class SparseUpdateTest(parameterized.TestCase):
 
     def fn(table, rows, elements, tokens, grad, row_sq):
       step = jnp.int32(3)
-      return reference.sparse_update(
+      return xla.sparse_update(
           opt, table, rows, elements, tokens, grad, row_sq, True, step,
           opt.scalars(step), emb_width=width)
 

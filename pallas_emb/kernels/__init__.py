@@ -1,9 +1,11 @@
 """One function per kernel operation, dispatching on the backend.
 
 `backend` is "pallas" (Triton kernels on GPU), "interpret" (the same kernels
-through Pallas' interpreter, any platform) or "xla" (the jnp twins in
-`reference.py`). A Mosaic GPU implementation of an operation would be one
-more branch here; the wrappers never see the difference.
+through Pallas' interpreter, any platform) or "xla" (`xla.py`: the same
+operations in jnp, tuned for XLA:CPU). `reference.py` holds the plain
+oracles every implementation is tested against. A Mosaic GPU implementation
+of an operation would be one more branch here; the wrappers never see the
+difference.
 
 Each Pallas kernel takes a frozen config (tile sizes, warps, stages);
 `config=None`, or None fields of a config, take the kernel's shape
@@ -17,7 +19,8 @@ import dataclasses
 from typing import TYPE_CHECKING
 
 from pallas_emb.kernels import common
-from pallas_emb.kernels import reference
+from pallas_emb.kernels import reference  # pylint: disable=unused-import
+from pallas_emb.kernels import xla
 
 if TYPE_CHECKING:
   from pallas_emb.kernels.gather import GatherConfig
@@ -64,7 +67,7 @@ def _pallas(backend: str) -> bool:
 def gather_rows(table, ids, *, backend: str, config=None):
   """`[N, S]` rows of a `[V, S]` shard for `[N]` ids (wrapped, clamped)."""
   if not _pallas(backend):
-    return reference.gather_rows(table, ids)
+    return xla.gather_rows(table, ids)
   from pallas_emb.kernels import gather  # pylint: disable=g-import-not-at-top
   return gather.gather_rows(table, ids, config=config,
                             interpret=backend == "interpret")
@@ -79,7 +82,7 @@ def segment_sum_rows(grads, segment_ids, num_segments: int, *, round_dtype,
   outside `[0, U)` are dropped.
   """
   if not _pallas(backend):
-    return reference.segment_sum_rows(grads, segment_ids, num_segments,
+    return xla.segment_sum_rows(grads, segment_ids, num_segments,
                                       round_dtype=round_dtype)
   from pallas_emb.kernels import segment_sum  # pylint: disable=g-import-not-at-top
   return segment_sum.segment_sum_rows(grads, segment_ids, num_segments,
@@ -97,7 +100,7 @@ def sparse_update_rows(rule, table, row_state, element_state,
   row_state, element_state)`, the states as tuples in the rule's order.
   """
   if not _pallas(backend):
-    return reference.sparse_update(rule, table, row_state, element_state,
+    return xla.sparse_update(rule, table, row_state, element_state,
                                    unique_tokens, grad_accum, row_sq, apply,
                                    step, scalars, emb_width=emb_width)
   from pallas_emb.kernels import sparse_update as kernel  # pylint: disable=g-import-not-at-top
@@ -116,7 +119,7 @@ def pool_rows(table, rows, weights, bag_starts, *, max_len: int,
   `max_len`); the result is rounded once to the table dtype.
   """
   if not _pallas(backend):
-    return reference.pool_rows(table, rows, weights, bag_starts,
+    return xla.pool_rows(table, rows, weights, bag_starts,
                                max_len=max_len)
   from pallas_emb.kernels import pool  # pylint: disable=g-import-not-at-top
   return pool.pool_rows(table, rows, weights, bag_starts, max_len=max_len,

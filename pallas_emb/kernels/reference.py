@@ -1,37 +1,24 @@
-"""Plain-jnp twins of the Pallas kernels: the `xla` backend.
+"""Plain-jnp oracles of the Pallas kernels: what each kernel computes.
 
-Each function has the signature and semantics of its kernel; the tests check
-every kernel against its twin.
+Each function has its kernel's signature and semantics, written as plainly
+as jnp allows; the kernels are tested against them (bit for bit in
+interpret mode where the order of the arithmetic is the same). The `xla`
+backend runs `xla.py`, the same operations tuned for XLA:CPU and tested
+equal to these.
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 
 from pallas_emb.kernels import common
 
 
 def gather_rows(table: jax.Array, ids: jax.Array) -> jax.Array:
-  """Twin of `gather.gather_rows`."""
+  """Oracle of `gather.gather_rows`: `table[wrap_and_clamp(ids)]`."""
   ids = common.wrap_and_clamp(ids, table.shape[0])
   return jnp.take(table, ids, axis=0, mode="clip", unique_indices=False)
-
-
-def segment_sum_rows(grads: jax.Array, segment_ids: jax.Array,
-                     num_segments: int, *, round_dtype
-                     ) -> tuple[jax.Array, jax.Array]:
-  """Twin of `segment_sum.segment_sum_rows`: a scatter-add, no sort.
-
-  Dropped ids (outside `[0, U)`) are mapped to U, which the scatter drops as
-  out of range. The summation order differs from the kernel's, so the two
-  agree to f32 rounding (exactly when no segment has two rows).
-  """
-  accum = jax.ops.segment_sum(grads.astype(jnp.float32),
-                              kept_segments(segment_ids, num_segments),
-                              num_segments=num_segments, mode="drop")
-  return accum, common.row_square_sums(accum, round_dtype)
 
 
 def kept_segments(segment_ids: jax.Array, num_segments: int) -> jax.Array:
@@ -41,25 +28,29 @@ def kept_segments(segment_ids: jax.Array, num_segments: int) -> jax.Array:
   return jnp.where(valid, segment_ids, num_segments)
 
 
+def segment_sum_rows(grads: jax.Array, segment_ids: jax.Array,
+                     num_segments: int, *, round_dtype
+                     ) -> tuple[jax.Array, jax.Array]:
+  """Oracle of `segment_sum.segment_sum_rows`: f32 sums per segment (ids
+  outside `[0, U)` dropped) and `row_sq[u] = sum_c round(sum[u, c])**2`,
+  the total in slot U. The kernel sums in another order: they agree to f32
+  rounding (exactly when no segment has two rows)."""
+  accum = jax.ops.segment_sum(grads.astype(jnp.float32),
+                              kept_segments(segment_ids, num_segments),
+                              num_segments=num_segments, mode="drop")
+  row_sq = jnp.sum(jnp.square(common.round_to(accum, round_dtype)), axis=1)
+  return accum, jnp.concatenate([row_sq, jnp.sum(row_sq, keepdims=True)])
+
+
 def sparse_update(rule, table, row_state, element_state, unique_tokens,
                   grad_accum, row_sq, apply, step, scalars, *,
                   emb_width=None):
-  """Twin of `sparse_update.sparse_update`: gather the touched rows, update
-  them with the rule's functions, scatter.
+  """Oracle of `sparse_update.sparse_update`: gather the touched rows,
+  update them with the rule's functions, scatter them back.
 
-  Skipped slots (apply false, fill values, tokens outside the table, rows
-  without gradient unless `rule.updates_zero_rows`) scatter to row V, which
-  `mode="drop"` drops, so under donation XLA updates the buffers in place.
-  Every state scatter writes `where(ok, new, old)` of the gathered rows:
-  the same values (skipped slots are dropped anyway), but the scatter then
-  depends on the gather, which orders the gather first; otherwise XLA copies
-  an array whose new values do not read it (an int32 `last_step`). A bf16
-  table is scattered through a uint16 view: XLA:CPU would otherwise convert
-  the whole table to f32 and back for the scatter (an f32 temporary twice
-  the table's size). Known limit (jax 0.10): XLA:CPU still runs the two
-  same-width `bitcast-convert`s as loops over the table, so a bf16 step
-  costs two table-sized passes on CPU where an f32 table costs O(U * S);
-  GPU and the Pallas kernel are not affected.
+  A slot is skipped when the update is not applied, its token (wrapped
+  once) is outside the table (fill values), or, unless
+  `rule.updates_zero_rows`, its row got no gradient.
   """
   row_state, element_state = tuple(row_state), tuple(element_state)
   scalars = tuple(jnp.asarray(s, jnp.float32) for s in scalars)
@@ -73,7 +64,7 @@ def sparse_update(rule, table, row_state, element_state, unique_tokens,
   if not rule.updates_zero_rows:
     ok = ok & (row_sq > 0)
   rows = jnp.where(ok, tokens, 0)
-  dest = jnp.where(ok, tokens, vocab_rows)
+  dest = jnp.where(ok, tokens, vocab_rows)  # row V: dropped
 
   row = {name: a[rows] for name, a in zip(rule.row_slots, row_state)}
   new_row, coeffs = rule.row_update(row, row_sq, step, scalars, emb_width)
@@ -83,65 +74,38 @@ def sparse_update(rule, table, row_state, element_state, unique_tokens,
       tuple(c[:, None] for c in coeffs), table[rows].astype(jnp.float32),
       grad_accum, element, scalars, table.dtype)
 
-  def scatter(array, name, new, old):
-    keep = ok if old.ndim == 1 else ok[:, None]
-    return array.at[dest].set(
-        jnp.where(keep, new[name].astype(array.dtype), old), mode="drop")
+  def scatter(array, new):
+    return array.at[dest].set(new.astype(array.dtype), mode="drop")
 
-  row_state = tuple(scatter(a, n, new_row, row[n])
-                    for n, a in zip(rule.row_slots, row_state))
-  element_state = tuple(scatter(a, n, new_element, element[n])
-                        for n, a in zip(rule.element_slots, element_state))
-  new_rows = new_rows.astype(table.dtype)
-  if table.dtype == jnp.float32:
-    table = table.at[dest].set(new_rows, mode="drop")
-  else:
-    bits = jnp.dtype(f"uint{8 * table.dtype.itemsize}")
-    table = jax.lax.bitcast_convert_type(
-        jax.lax.bitcast_convert_type(table, bits).at[dest].set(
-            jax.lax.bitcast_convert_type(new_rows, bits), mode="drop"),
-        table.dtype)
-  return table, row_state, element_state
+  return (scatter(table, new_rows),
+          tuple(scatter(a, new_row[n])
+                for n, a in zip(rule.row_slots, row_state)),
+          tuple(scatter(a, new_element[n])
+                for n, a in zip(rule.element_slots, element_state)))
 
 
 def pool_rows(table, rows, weights, bag_starts, *, max_len: int):
-  """Twin of `pool.pool_rows`: the same sums in the same order.
+  """Oracle of `pool.pool_rows`: per bag, `sum_k weight_k * table[row_k]`
+  accumulated in f32 in entry order, rounded once to the table dtype.
 
-  One gather of `[M, S]` rows per entry position `k < max_len`, added in
-  order, so it equals the kernel bit for bit. A non-f32 table's entry rows
-  are gathered (and made f32, exactly) once, before the loop: an `[E, S]`
-  f32 buffer.
+  The same sums in the same order as the kernel (one entry position at a
+  time; a masked lane adds 0 * 0), so the two agree bit for bit.
   """
   vocab_rows, width = table.shape
   num_bags = bag_starts.shape[0] - 1
+  acc = jnp.zeros((num_bags, width), jnp.float32)
   if num_bags == 0 or max_len == 0 or rows.shape[0] == 0:
-    return jnp.zeros((num_bags, width), table.dtype)
+    return acc.astype(table.dtype)
   start, end = bag_starts[:-1], bag_starts[1:]
-  weights = weights.astype(jnp.float32)
   rows = common.wrap_and_clamp(rows, vocab_rows)
-  # XLA:CPU gathers a bf16 table through an f32 convert of all of it; in
-  # the loop that convert is shared and hoisted (a table-sized pass per
-  # step), so a non-f32 table's entry rows are gathered once, outside.
-  entry_rows = (None if table.dtype == jnp.float32 else
-                jnp.take(table, rows, axis=0).astype(jnp.float32))
-
-  def add_entry(k, acc):
+  for k in range(max_len):
     entry = start + k
     ok = entry < end
     entry = jnp.where(ok, entry, 0)
-    if entry_rows is None:
-      values = jnp.take(table, jnp.take(rows, entry, mode="clip"), axis=0,
-                        mode="clip")
-    else:
-      values = jnp.take(entry_rows, entry, axis=0, mode="clip")
-    values = values.astype(jnp.float32)
+    values = jnp.take(table, jnp.take(rows, entry, mode="clip"), axis=0,
+                      mode="clip").astype(jnp.float32)
     product = common.unfused_product(
-        jnp.take(weights, entry, mode="clip")[:, None], values)
-    # A masked lane of the kernel adds 0 * 0 (its loads give 0).
-    return acc + jnp.where(ok[:, None], product, 0.0)
-
-  # Partly unrolled: fewer loop trips, each fusing several gathers.
-  acc = lax.fori_loop(0, max_len, add_entry,
-                      jnp.zeros((num_bags, width), jnp.float32),
-                      unroll=min(max_len, 8))
+        jnp.take(weights.astype(jnp.float32), entry, mode="clip")[:, None],
+        values)
+    acc = acc + jnp.where(ok[:, None], product, 0.0)
   return acc.astype(table.dtype)

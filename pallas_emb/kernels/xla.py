@@ -1,0 +1,139 @@
+"""The `xla` backend: each kernel's operation in jnp, tuned for XLA:CPU.
+
+Same signatures and results as the oracles in `reference.py` (bit for bit
+where the arithmetic is the same; the row norms' sums meet in another
+order), written around what XLA:CPU does badly: a row reduce that cannot
+fuse its squares, a bf16 scatter rewritten as an f32 round trip of the whole
+table, a scatter whose values do not read the array it writes (then copied),
+a bf16 table converted whole inside a gather loop. `tests/xla_backend_test.py`
+holds each one equal to its oracle.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from pallas_emb.kernels import common
+from pallas_emb.kernels.reference import gather_rows  # pylint: disable=unused-import
+from pallas_emb.kernels.reference import kept_segments
+
+
+def segment_sum_rows(grads: jax.Array, segment_ids: jax.Array,
+                     num_segments: int, *, round_dtype
+                     ) -> tuple[jax.Array, jax.Array]:
+  """`reference.segment_sum_rows`, the row norms by halving adds.
+
+  XLA:CPU hands a row reduce to a library call that cannot fuse the
+  squares, which then take a `[U, S]` buffer (`common.row_square_sums`).
+  """
+  accum = jax.ops.segment_sum(grads.astype(jnp.float32),
+                              kept_segments(segment_ids, num_segments),
+                              num_segments=num_segments, mode="drop")
+  return accum, common.row_square_sums(accum, round_dtype)
+
+
+def sparse_update(rule, table, row_state, element_state, unique_tokens,
+                  grad_accum, row_sq, apply, step, scalars, *,
+                  emb_width=None):
+  """`reference.sparse_update` without table or state copies on XLA:CPU.
+
+  Skipped slots (apply false, fill values, tokens outside the table, rows
+  without gradient unless `rule.updates_zero_rows`) scatter to row V, which
+  `mode="drop"` drops, so under donation XLA updates the buffers in place.
+  Every state scatter writes `where(ok, new, old)` of the gathered rows:
+  the same values (skipped slots are dropped anyway), but the scatter then
+  depends on the gather, which orders the gather first; otherwise XLA copies
+  an array whose new values do not read it (an int32 `last_step`). A bf16
+  table is scattered through a uint16 view: XLA:CPU would otherwise convert
+  the whole table to f32 and back for the scatter (an f32 temporary twice
+  the table's size). Known limit (jax 0.10): XLA:CPU still runs the two
+  same-width `bitcast-convert`s as loops over the table, so a bf16 step
+  costs two table-sized passes on CPU where an f32 table costs O(U * S);
+  GPU and the Pallas kernel are not affected.
+  """
+  row_state, element_state = tuple(row_state), tuple(element_state)
+  scalars = tuple(jnp.asarray(s, jnp.float32) for s in scalars)
+  vocab_rows, _ = table.shape
+  row_sq = common.check_update_args(
+      rule, table, row_state, element_state, unique_tokens, grad_accum,
+      row_sq, scalars)
+  tokens = common.wrap_once(unique_tokens, vocab_rows)
+  ok = (jnp.asarray(apply, jnp.bool_) & (tokens >= 0)
+        & (tokens < vocab_rows))
+  if not rule.updates_zero_rows:
+    ok = ok & (row_sq > 0)
+  rows = jnp.where(ok, tokens, 0)
+  dest = jnp.where(ok, tokens, vocab_rows)
+
+  row = {name: a[rows] for name, a in zip(rule.row_slots, row_state)}
+  new_row, coeffs = rule.row_update(row, row_sq, step, scalars, emb_width)
+  element = {name: a[rows] for name, a in zip(rule.element_slots,
+                                               element_state)}
+  new_rows, new_element = rule.column_update(
+      tuple(c[:, None] for c in coeffs), table[rows].astype(jnp.float32),
+      grad_accum, element, scalars, table.dtype)
+
+  def scatter(array, name, new, old):
+    keep = ok if old.ndim == 1 else ok[:, None]
+    return array.at[dest].set(
+        jnp.where(keep, new[name].astype(array.dtype), old), mode="drop")
+
+  row_state = tuple(scatter(a, n, new_row, row[n])
+                    for n, a in zip(rule.row_slots, row_state))
+  element_state = tuple(scatter(a, n, new_element, element[n])
+                        for n, a in zip(rule.element_slots, element_state))
+  new_rows = new_rows.astype(table.dtype)
+  if table.dtype == jnp.float32:
+    table = table.at[dest].set(new_rows, mode="drop")
+  else:
+    bits = jnp.dtype(f"uint{8 * table.dtype.itemsize}")
+    table = jax.lax.bitcast_convert_type(
+        jax.lax.bitcast_convert_type(table, bits).at[dest].set(
+            jax.lax.bitcast_convert_type(new_rows, bits), mode="drop"),
+        table.dtype)
+  return table, row_state, element_state
+
+
+def pool_rows(table, rows, weights, bag_starts, *, max_len: int):
+  """`reference.pool_rows` without a whole-table convert of a bf16 table.
+
+  One gather of `[M, S]` rows per entry position `k < max_len`, added in
+  order, so it equals the kernel bit for bit. A non-f32 table's entry rows
+  are gathered (and made f32, exactly) once, before the loop: an `[E, S]`
+  f32 buffer.
+  """
+  vocab_rows, width = table.shape
+  num_bags = bag_starts.shape[0] - 1
+  if num_bags == 0 or max_len == 0 or rows.shape[0] == 0:
+    return jnp.zeros((num_bags, width), table.dtype)
+  start, end = bag_starts[:-1], bag_starts[1:]
+  weights = weights.astype(jnp.float32)
+  rows = common.wrap_and_clamp(rows, vocab_rows)
+  # XLA:CPU gathers a bf16 table through an f32 convert of all of it; in
+  # the loop that convert is shared and hoisted (a table-sized pass per
+  # step), so a non-f32 table's entry rows are gathered once, outside.
+  entry_rows = (None if table.dtype == jnp.float32 else
+                jnp.take(table, rows, axis=0).astype(jnp.float32))
+
+  def add_entry(k, acc):
+    entry = start + k
+    ok = entry < end
+    entry = jnp.where(ok, entry, 0)
+    if entry_rows is None:
+      values = jnp.take(table, jnp.take(rows, entry, mode="clip"), axis=0,
+                        mode="clip")
+    else:
+      values = jnp.take(entry_rows, entry, axis=0, mode="clip")
+    values = values.astype(jnp.float32)
+    product = common.unfused_product(
+        jnp.take(weights, entry, mode="clip")[:, None], values)
+    # A masked lane of the kernel adds 0 * 0 (its loads give 0).
+    return acc + jnp.where(ok[:, None], product, 0.0)
+
+  # Partly unrolled: fewer loop trips, each fusing several gathers.
+  acc = lax.fori_loop(0, max_len, add_entry,
+                      jnp.zeros((num_bags, width), jnp.float32),
+                      unroll=min(max_len, 8))
+  return acc.astype(table.dtype)

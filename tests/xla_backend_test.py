@@ -1,0 +1,66 @@
+"""The `xla` backend (kernels/xla.py, tuned for XLA:CPU) equals the plain
+oracles of kernels/reference.py: bit for bit where the arithmetic is the
+same (gather, pool, the sparse update of every optimizer, the segment sums),
+to f32 rounding where the sums meet in another order (row norms)."""
+
+import test_util
+
+from absl.testing import absltest
+from absl.testing import parameterized
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import optimizer_kernels_test
+import pool_test
+import segment_sum_test
+from pallas_emb.kernels import reference
+from pallas_emb.kernels import xla
+
+DTYPES = (np.float32, test_util.BF16)
+
+
+class XlaBackendTest(parameterized.TestCase):
+
+  @parameterized.product(dtype=DTYPES, width=(1, 8, 33))
+  def test_pool_rows(self, dtype, width):
+    args = pool_test.random_case(np.random.default_rng(width), 41, width, 23,
+                                 6, dtype)
+    got = jax.jit(lambda *a: xla.pool_rows(*a, max_len=6))(*args)
+    want = jax.jit(lambda *a: reference.pool_rows(*a, max_len=6))(*args)
+    test_util.assert_bits_equal(self, got, test_util.as_numpy(want))
+
+  @parameterized.product(dtype=DTYPES, width=(1, 8, 33))
+  def test_segment_sum_rows(self, dtype, width):
+    grads, ids = segment_sum_test.segment_inputs(width, 96, width, 20, dtype)
+    fn = lambda impl: jax.jit(lambda g, i: impl.segment_sum_rows(
+        g, i, 20, round_dtype=dtype))(grads, ids)
+    (got_sums, got_sq), (want_sums, want_sq) = fn(xla), fn(reference)
+    test_util.assert_bits_equal(self, got_sums, test_util.as_numpy(want_sums))
+    # Halving adds vs a row reduce: f32 sums of positive terms.
+    np.testing.assert_allclose(np.asarray(got_sq), np.asarray(want_sq),
+                               rtol=4e-7 * np.log2(max(width, 2)) + 1e-7)
+
+  @parameterized.product(name=tuple(optimizer_kernels_test.OPTIMIZERS),
+                         dtype=DTYPES, apply=(True, False))
+  def test_sparse_update(self, name, dtype, apply):
+    opt = optimizer_kernels_test.OPTIMIZERS[name]
+    width = 6
+    args = optimizer_kernels_test.inputs(opt, 3, width, dtype)
+    table, rows, elements, tokens, grad_accum, row_sq = map(
+        jax.tree.map, [jnp.asarray] * 6, args)
+
+    def run(impl):
+      step = jnp.int32(optimizer_kernels_test.STEP)
+      return jax.jit(lambda *a: impl.sparse_update(
+          opt, *a, apply, step, opt.scalars(step),
+          emb_width=optimizer_kernels_test.RANKS * width))(
+              table, rows, elements, tokens, grad_accum, row_sq)
+
+    for got, want in zip(jax.tree.leaves(run(xla)),
+                         jax.tree.leaves(run(reference))):
+      test_util.assert_bits_equal(self, got, test_util.as_numpy(want))
+
+
+if __name__ == "__main__":
+  absltest.main()
