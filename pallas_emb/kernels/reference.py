@@ -9,6 +9,8 @@ equal to these.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 
@@ -42,11 +44,23 @@ def segment_sum_rows(grads: jax.Array, segment_ids: jax.Array,
   return accum, jnp.concatenate([row_sq, jnp.sum(row_sq, keepdims=True)])
 
 
-def sparse_update(rule, table, row_state, element_state, unique_tokens,
-                  grad_accum, row_sq, apply, step, scalars, *,
-                  emb_width=None):
-  """Oracle of `sparse_update.sparse_update`: gather the touched rows,
-  update them with the rule's functions, scatter them back.
+class TouchedRows(NamedTuple):
+  """The rows a sparse update touches, read and updated (not yet written).
+
+  ok: bool `[U]`, the slots that are updated; dest: `[U]` their rows, V (out
+  of range) for the others; old / new: `{state name: [U] or [U, S]}` and
+  the table's rows (`"table"`, new values in f32).
+  """
+  ok: jax.Array
+  dest: jax.Array
+  old: dict
+  new: dict
+
+
+def touched_rows(rule, table, row_state, element_state, unique_tokens,
+                 grad_accum, row_sq, apply, step, scalars, *,
+                 emb_width=None) -> TouchedRows:
+  """Gathers the touched rows and runs the rule's math on them.
 
   A slot is skipped when the update is not applied, its token (wrapped
   once) is outside the table (fill values), or, unless
@@ -64,24 +78,38 @@ def sparse_update(rule, table, row_state, element_state, unique_tokens,
   if not rule.updates_zero_rows:
     ok = ok & (row_sq > 0)
   rows = jnp.where(ok, tokens, 0)
-  dest = jnp.where(ok, tokens, vocab_rows)  # row V: dropped
+  old = {name: a[rows] for name, a in zip(rule.row_slots + rule.element_slots,
+                                          row_state + element_state)}
+  old["table"] = table[rows]
+  new, coeffs = rule.row_update({n: old[n] for n in rule.row_slots}, row_sq,
+                                step, scalars, emb_width)
+  new = dict(new)
+  new["table"], new_element = rule.column_update(
+      tuple(c[:, None] for c in coeffs), old["table"].astype(jnp.float32),
+      grad_accum, {n: old[n] for n in rule.element_slots}, scalars,
+      table.dtype)
+  new.update(new_element)
+  return TouchedRows(ok, jnp.where(ok, tokens, vocab_rows), old, new)
 
-  row = {name: a[rows] for name, a in zip(rule.row_slots, row_state)}
-  new_row, coeffs = rule.row_update(row, row_sq, step, scalars, emb_width)
-  element = {name: a[rows] for name, a in zip(rule.element_slots,
-                                               element_state)}
-  new_rows, new_element = rule.column_update(
-      tuple(c[:, None] for c in coeffs), table[rows].astype(jnp.float32),
-      grad_accum, element, scalars, table.dtype)
 
-  def scatter(array, new):
-    return array.at[dest].set(new.astype(array.dtype), mode="drop")
+def sparse_update(rule, table, row_state, element_state, unique_tokens,
+                  grad_accum, row_sq, apply, step, scalars, *,
+                  emb_width=None):
+  """Oracle of `sparse_update.sparse_update`: gather the touched rows,
+  update them with the rule's functions, scatter them back (skipped slots
+  to row V, which `mode="drop"` drops)."""
+  touched = touched_rows(rule, table, row_state, element_state,
+                         unique_tokens, grad_accum, row_sq, apply, step,
+                         scalars, emb_width=emb_width)
 
-  return (scatter(table, new_rows),
-          tuple(scatter(a, new_row[n])
-                for n, a in zip(rule.row_slots, row_state)),
-          tuple(scatter(a, new_element[n])
-                for n, a in zip(rule.element_slots, element_state)))
+  def scatter(array, name):
+    return array.at[touched.dest].set(touched.new[name].astype(array.dtype),
+                                      mode="drop")
+
+  return (scatter(table, "table"),
+          tuple(scatter(a, n) for n, a in zip(rule.row_slots, row_state)),
+          tuple(scatter(a, n) for n, a in zip(rule.element_slots,
+                                              element_state)))
 
 
 def pool_rows(table, rows, weights, bag_starts, *, max_len: int):

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from pallas_emb.kernels import common
+from pallas_emb.kernels import reference
 from pallas_emb.kernels.reference import gather_rows  # pylint: disable=unused-import
 from pallas_emb.kernels.reference import kept_segments
 
@@ -53,38 +54,21 @@ def sparse_update(rule, table, row_state, element_state, unique_tokens,
   costs two table-sized passes on CPU where an f32 table costs O(U * S);
   GPU and the Pallas kernel are not affected.
   """
-  row_state, element_state = tuple(row_state), tuple(element_state)
-  scalars = tuple(jnp.asarray(s, jnp.float32) for s in scalars)
-  vocab_rows, _ = table.shape
-  row_sq = common.check_update_args(
+  touched = reference.touched_rows(
       rule, table, row_state, element_state, unique_tokens, grad_accum,
-      row_sq, scalars)
-  tokens = common.wrap_once(unique_tokens, vocab_rows)
-  ok = (jnp.asarray(apply, jnp.bool_) & (tokens >= 0)
-        & (tokens < vocab_rows))
-  if not rule.updates_zero_rows:
-    ok = ok & (row_sq > 0)
-  rows = jnp.where(ok, tokens, 0)
-  dest = jnp.where(ok, tokens, vocab_rows)
+      row_sq, apply, step, scalars, emb_width=emb_width)
+  ok, dest = touched.ok, touched.dest
 
-  row = {name: a[rows] for name, a in zip(rule.row_slots, row_state)}
-  new_row, coeffs = rule.row_update(row, row_sq, step, scalars, emb_width)
-  element = {name: a[rows] for name, a in zip(rule.element_slots,
-                                               element_state)}
-  new_rows, new_element = rule.column_update(
-      tuple(c[:, None] for c in coeffs), table[rows].astype(jnp.float32),
-      grad_accum, element, scalars, table.dtype)
-
-  def scatter(array, name, new, old):
-    keep = ok if old.ndim == 1 else ok[:, None]
+  def scatter(array, name):
+    keep = ok if array.ndim == 1 else ok[:, None]
     return array.at[dest].set(
-        jnp.where(keep, new[name].astype(array.dtype), old), mode="drop")
+        jnp.where(keep, touched.new[name].astype(array.dtype),
+                  touched.old[name]), mode="drop")
 
-  row_state = tuple(scatter(a, n, new_row, row[n])
-                    for n, a in zip(rule.row_slots, row_state))
-  element_state = tuple(scatter(a, n, new_element, element[n])
+  row_state = tuple(scatter(a, n) for n, a in zip(rule.row_slots, row_state))
+  element_state = tuple(scatter(a, n)
                         for n, a in zip(rule.element_slots, element_state))
-  new_rows = new_rows.astype(table.dtype)
+  new_rows = touched.new["table"].astype(table.dtype)
   if table.dtype == jnp.float32:
     table = table.at[dest].set(new_rows, mode="drop")
   else:
