@@ -145,3 +145,45 @@ def pool_rows(table, rows, weights, bag_starts, *, max_len: int):
                       jnp.zeros((num_bags, width), jnp.float32),
                       unroll=min(max_len, 8))
   return acc.astype(table.dtype)
+
+
+def gather_dequantized(codes, scale, bias, ids) -> jax.Array:
+  """Twin of `quantized_gather.gather_dequantized`.
+
+  `[N, S]` f32 rows `codes[r] * scale[r] + bias[r]`, r the id wrapped once
+  and clamped into the table, for a `[V, S]` uint8 column shard.
+  """
+  rows = common.wrap_and_clamp(ids, codes.shape[0])
+  return common.dequantize(jnp.take(codes, rows, axis=0, mode="clip"),
+                           jnp.take(scale, rows, mode="clip")[:, None],
+                           jnp.take(bias, rows, mode="clip")[:, None])
+
+
+def pool_dequantized(codes, scale, bias, rows, weights, bag_starts, *,
+                     max_len: int) -> jax.Array:
+  """Twin of `quantized_gather.pool_dequantized`: the same sums in the same
+  order (one gather per entry position `k < max_len`, added in order), so
+  it equals the kernel bit for bit."""
+  vocab_rows, width = codes.shape
+  num_bags = bag_starts.shape[0] - 1
+  if num_bags == 0 or max_len == 0 or rows.shape[0] == 0:
+    return jnp.zeros((num_bags, width), jnp.float32)
+  start, end = bag_starts[:-1], bag_starts[1:]
+  weights = weights.astype(jnp.float32)
+  rows = common.wrap_and_clamp(rows, vocab_rows)
+
+  def add_entry(k, acc):
+    entry = start + k
+    ok = entry < end
+    entry = jnp.where(ok, entry, 0)
+    row = jnp.take(rows, entry, mode="clip")
+    values = common.dequantize(jnp.take(codes, row, axis=0, mode="clip"),
+                               jnp.take(scale, row, mode="clip")[:, None],
+                               jnp.take(bias, row, mode="clip")[:, None])
+    product = common.unfused_product(
+        jnp.take(weights, entry, mode="clip")[:, None], values)
+    return acc + jnp.where(ok[:, None], product, 0.0)
+
+  return lax.fori_loop(0, max_len, add_entry,
+                       jnp.zeros((num_bags, width), jnp.float32),
+                       unroll=min(max_len, 8))
