@@ -80,6 +80,17 @@ def train(config: TrainConfig, log: Callable[[str], None] = print) -> dict:
   library's ValueErrors (pallas_emb.ShardingError, ...) for configs that
   cannot run.
   """
+  _, _, metrics = run_training(config, log)
+  if jax.process_index() == 0:
+    report.report(config, metrics, log)
+  return metrics
+
+
+def run_training(config: TrainConfig, log: Callable[[str], None] = print
+                 ) -> tuple[build_lib.Run, pe.PipelineState, dict]:
+  """`(run, state, metrics)`: `train` without the report. The state is the
+  loop's last (pipelined: its last update still staged, which
+  `run.trainer.flush` applies; the metrics evaluated it flushed)."""
   cli.check_config(config)
   run = build_lib.build(config, data_lib.load_data(config))
   is_main = jax.process_index() == 0
@@ -94,14 +105,12 @@ def train(config: TrainConfig, log: Callable[[str], None] = print) -> dict:
                                                     evaluator, monitor, log)
   metrics = report.finish(run, state, step, begin.step, timing, evaluator,
                           monitor, next_batch, log)
-  if is_main:
-    report.report(config, metrics, log)
-  return metrics
+  return run, state, metrics
 
 
 # --- entry point -------------------------------------------------------------
 
-_ERRORS = (datasets.DataError, ConfigError, pe.ShardingError,
+ERRORS = (datasets.DataError, ConfigError, pe.ShardingError,
            pe.HyperParameterError, checkpoint.CheckpointError)
 
 
@@ -117,7 +126,7 @@ def _main(argv: list[str], config_class: type[TrainConfig] = TrainConfig
     if config.distributed:
       startup.initialize_distributed(config)
     train(config)
-  except _ERRORS as e:
+  except ERRORS as e:
     print(f"error: {e}", file=sys.stderr)
     return 1
   return 0

@@ -582,7 +582,7 @@ def restore_collection(directory, coll, *, step: int | None = None,
   return coll.state_from_arrays(tables, opt_states), tree["extra"]
 
 
-# --- serving states -------------------------------------------------------------
+# --- serving states ---------------------------------------------------------
 
 
 def serving_target(coll, dtype: str) -> ServingState:

@@ -215,7 +215,7 @@ class PtxTest(parameterized.TestCase):
     else:
       (kernel,) = ptx.capture(
           lambda c, s, b, i: kernels.gather_dequantized(c, s, b, i,
-                                                         backend="pallas"),
+                                                        backend="pallas"),
           codes, rows, rows, jax.ShapeDtypeStruct((TOKENS,), jnp.int32))
     self.assertEqual(kernel.name, "pallas_emb_quantized_pool" if pooled
                      else "pallas_emb_quantized_gather")

@@ -305,5 +305,38 @@ class ServingExportTest(absltest.TestCase):
     test_util.assert_bits_equal(self, np.load(out), want)
 
 
+class ServeProgramTest(absltest.TestCase):
+
+  def test_tiny_config(self):
+    """examples.serve on the tiny synthetic config, 10 steps: the fresh
+    process scores the test split with every table dtype."""
+    directory = tempfile.mkdtemp(prefix="pallas_emb_serve_program_")
+    out = os.path.join(directory, "serve.json")
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(
+        p for p in (test_util.ROOT, env.get("PYTHONPATH")) if p)
+    env.pop("XLA_FLAGS", None)  # The program simulates its 8 devices.
+    proc = subprocess.run(
+        [sys.executable, "-m", "examples.serve", "--config=configs/tiny.py",
+         "--num_steps=10", f"--export_dir={directory}/export",
+         f"--serve_out={out}"], cwd=test_util.ROOT, env=env,
+        capture_output=True, text=True, timeout=300, check=False)
+    self.assertEqual(proc.returncode, 0, proc.stderr[-5000:])
+    with open(out) as f:
+      figures = json.load(f)
+    rmse = figures["test_rmse"]
+    # The exported f32 scorer is the trained model (up to f32 sums).
+    self.assertAlmostEqual(rmse["float32"], figures["trained_test_rmse"],
+                           delta=1e-5)
+    for dtype in ("bfloat16", "int8"):
+      self.assertAlmostEqual(rmse[dtype], rmse["float32"], delta=0.01)
+    # 501 user and 301 item rows of width 16 (configs/tiny.py).
+    rows, width = 501 + 301, 16
+    self.assertEqual(figures["table_bytes"],
+                     {"float32": rows * width * 4, "bfloat16": rows * width * 2,
+                      "int8": rows * width + rows * 8})
+    self.assertIn("served test RMSE (fresh process", proc.stdout)
+
+
 if __name__ == "__main__":
   absltest.main()
