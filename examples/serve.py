@@ -32,7 +32,6 @@ from examples import startup
 startup.simulate_cpu_devices()  # Before jax is imported.
 
 # pylint: disable=g-import-not-at-top,g-bad-import-order,wrong-import-position
-import functools
 import json
 import os
 import subprocess
@@ -40,18 +39,13 @@ import sys
 import tempfile
 import textwrap
 
-from absl import app
 from absl import flags
-from absl import logging
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from examples import cli
 from examples import evaluation
 from examples import train as train_lib
-from examples.config import ConfigError
-from examples.config import load_config
 from examples.config import TrainConfig
 import pallas_emb as pe
 from pallas_emb import datasets
@@ -179,37 +173,20 @@ def serve(config: TrainConfig, export_dir: str, log=print) -> dict:
   return figures
 
 
-def _main(argv: list[str], config_class: type[TrainConfig] = TrainConfig
-          ) -> int:
-  if len(argv) > 1:
-    raise app.UsageError(f"unexpected arguments {argv[1:]}")
-  config = cli.config_from_flags(flags.FLAGS, config_class)
-  if not flags.FLAGS["verbosity"].present:
-    logging.set_verbosity(logging.WARNING)
+def serve_from_flags(config: TrainConfig) -> dict:
+  """`serve` with --export_dir and --serve_out."""
   export_dir = _EXPORT_DIR.value or tempfile.mkdtemp(
       prefix="pallas_emb_serve_")
-  try:
-    figures = serve(config, export_dir)
-  except train_lib.ERRORS as e:
-    print(f"error: {e}", file=sys.stderr)
-    return 1
+  figures = serve(config, export_dir)
   if _SERVE_OUT.value:
     with open(_SERVE_OUT.value, "w") as f:
       json.dump(figures, f, indent=1)
-  return 0
+  return figures
 
 
-def main(argv: list[str] | None = None) -> None:
-  argv = list(sys.argv if argv is None else argv)
-  path = cli.config_path_from_argv(argv)
-  try:
-    defaults = load_config(path) if path else TrainConfig()
-  except ConfigError as e:
-    print(f"error: {e}", file=sys.stderr)
-    sys.exit(1)
-  cli.define_flags(defaults)
-  flags.adopt_module_key_flags(cli)
-  app.run(functools.partial(_main, config_class=type(defaults)), argv=argv)
+def main() -> None:
+  # examples.train's command line (config file, a flag per field, errors).
+  train_lib.main(program=serve_from_flags)
 
 
 if __name__ == "__main__":

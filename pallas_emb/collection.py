@@ -544,12 +544,9 @@ def _check_state(coll: EmbeddingCollection, state) -> None:
     raise InputError(
         f"pallas_emb collection state is a {type(state).__name__}; expected "
         "the CollectionState that coll.init(key) returns.")
-  expected = sorted(s.name for s in coll.plan.stacks)
-  if sorted(state.stacks) != expected:
-    raise InputError(
-        f"pallas_emb collection state has stacks {sorted(state.stacks)}; "
-        f"this collection's plan has {expected} (a state of another "
-        "collection? restore it through table_arrays/state_from_arrays).")
+  _check_stack_names(coll, state.stacks, "state", (
+      " (a state of another collection? restore it through "
+      "table_arrays/state_from_arrays)."))
   _check_fingerprint(coll, state.fingerprint, "state")
   for stack in coll.plan.stacks:
     table = state.stacks[stack.name].table
@@ -561,14 +558,19 @@ def _check_state(coll: EmbeddingCollection, state) -> None:
           f"{stack.dtype.name}{list(shape)}.")
 
 
+def _check_stack_names(coll: EmbeddingCollection, stacks, what: str,
+                       fix: str) -> None:
+  expected = sorted(s.name for s in coll.plan.stacks)
+  if sorted(stacks) != expected:
+    raise InputError(
+        f"pallas_emb collection {what} has stacks {sorted(stacks)}; this "
+        f"collection's plan has {expected}{fix}")
+
+
 def _check_serving(coll: EmbeddingCollection, state: ServingState) -> None:
   """A serving state of this collection: its stacks, dtype and shapes."""
-  expected = sorted(s.name for s in coll.plan.stacks)
-  if sorted(state.stacks) != expected:
-    raise InputError(
-        f"pallas_emb collection serving state has stacks "
-        f"{sorted(state.stacks)}; this collection's plan has {expected}. "
-        "Pass the ServingState this collection's quantize returned.")
+  _check_stack_names(coll, state.stacks, "serving state", (
+      ". Pass the ServingState this collection's quantize returned."))
   _check_fingerprint(coll, state.fingerprint, "serving state")
   if state.dtype not in quantize_lib.SERVING_DTYPES:
     raise InputError(
@@ -606,12 +608,8 @@ def _check_fingerprint(coll: EmbeddingCollection, fingerprint, what: str
 
 def _check_routing(coll: EmbeddingCollection, routing: Routing) -> None:
   _check_fingerprint(coll, routing.fingerprint, "routing")
-  expected = sorted(s.name for s in coll.plan.stacks)
-  if sorted(routing.stacks) != expected:
-    raise InputError(
-        f"pallas_emb collection routing has stacks {sorted(routing.stacks)}; "
-        f"this collection's plan has {expected}. Pass the routing this "
-        "collection's lookup_and_route returned.")
+  _check_stack_names(coll, routing.stacks, "routing", (
+      ". Pass the routing this collection's lookup_and_route returned."))
   names = sorted(name for name, _ in routing.shapes)
   if names != sorted(coll.features):
     raise InputError(

@@ -116,35 +116,41 @@ def pool_rows(table, rows, weights, bag_starts, *, max_len: int):
   num_bags = bag_starts.shape[0] - 1
   if num_bags == 0 or max_len == 0 or rows.shape[0] == 0:
     return jnp.zeros((num_bags, width), table.dtype)
-  start, end = bag_starts[:-1], bag_starts[1:]
-  weights = weights.astype(jnp.float32)
   rows = common.wrap_and_clamp(rows, vocab_rows)
   # XLA:CPU gathers a bf16 table through an f32 convert of all of it; in
   # the loop that convert is shared and hoisted (a table-sized pass per
   # step), so a non-f32 table's entry rows are gathered once, outside.
-  entry_rows = (None if table.dtype == jnp.float32 else
-                jnp.take(table, rows, axis=0).astype(jnp.float32))
+  if table.dtype == jnp.float32:
+    values = lambda entry: jnp.take(
+        table, jnp.take(rows, entry, mode="clip"), axis=0, mode="clip")
+  else:
+    entry_rows = jnp.take(table, rows, axis=0).astype(jnp.float32)
+    values = lambda entry: jnp.take(entry_rows, entry, axis=0, mode="clip")
+  return _pool_entries(values, weights, bag_starts, width,
+                       max_len).astype(table.dtype)
+
+
+def _pool_entries(values, weights, bag_starts, width: int, max_len: int
+                  ) -> jax.Array:
+  """f32 `[M, S]`: per bag, `weights[e] * values(e)` summed over its entries
+  in order, one gather of `[M, S]` rows per entry position `k < max_len`
+  (`values(entries)`: f32 `[M, S]` rows); a masked lane adds 0, as the
+  kernels' (their loads give 0)."""
+  start, end = bag_starts[:-1], bag_starts[1:]
+  weights = weights.astype(jnp.float32)
 
   def add_entry(k, acc):
     entry = start + k
     ok = entry < end
     entry = jnp.where(ok, entry, 0)
-    if entry_rows is None:
-      values = jnp.take(table, jnp.take(rows, entry, mode="clip"), axis=0,
-                        mode="clip")
-    else:
-      values = jnp.take(entry_rows, entry, axis=0, mode="clip")
-    values = values.astype(jnp.float32)
     product = common.unfused_product(
-        jnp.take(weights, entry, mode="clip")[:, None], values)
-    # A masked lane of the kernel adds 0 * 0 (its loads give 0).
+        jnp.take(weights, entry, mode="clip")[:, None], values(entry))
     return acc + jnp.where(ok[:, None], product, 0.0)
 
   # Partly unrolled: fewer loop trips, each fusing several gathers.
-  acc = lax.fori_loop(0, max_len, add_entry,
-                      jnp.zeros((num_bags, width), jnp.float32),
-                      unroll=min(max_len, 8))
-  return acc.astype(table.dtype)
+  return lax.fori_loop(0, max_len, add_entry,
+                       jnp.zeros((start.shape[0], width), jnp.float32),
+                       unroll=min(max_len, 8))
 
 
 def gather_dequantized(codes, scale, bias, ids) -> jax.Array:
@@ -153,7 +159,12 @@ def gather_dequantized(codes, scale, bias, ids) -> jax.Array:
   `[N, S]` f32 rows `codes[r] * scale[r] + bias[r]`, r the id wrapped once
   and clamped into the table, for a `[V, S]` uint8 column shard.
   """
-  rows = common.wrap_and_clamp(ids, codes.shape[0])
+  return _dequantized_rows(codes, scale, bias,
+                           common.wrap_and_clamp(ids, codes.shape[0]))
+
+
+def _dequantized_rows(codes, scale, bias, rows) -> jax.Array:
+  """f32 `[N, S]` rows `rows` (in range) of a row-wise int8 shard."""
   return common.dequantize(jnp.take(codes, rows, axis=0, mode="clip"),
                            jnp.take(scale, rows, mode="clip")[:, None],
                            jnp.take(bias, rows, mode="clip")[:, None])
@@ -168,22 +179,8 @@ def pool_dequantized(codes, scale, bias, rows, weights, bag_starts, *,
   num_bags = bag_starts.shape[0] - 1
   if num_bags == 0 or max_len == 0 or rows.shape[0] == 0:
     return jnp.zeros((num_bags, width), jnp.float32)
-  start, end = bag_starts[:-1], bag_starts[1:]
-  weights = weights.astype(jnp.float32)
   rows = common.wrap_and_clamp(rows, vocab_rows)
 
-  def add_entry(k, acc):
-    entry = start + k
-    ok = entry < end
-    entry = jnp.where(ok, entry, 0)
-    row = jnp.take(rows, entry, mode="clip")
-    values = common.dequantize(jnp.take(codes, row, axis=0, mode="clip"),
-                               jnp.take(scale, row, mode="clip")[:, None],
-                               jnp.take(bias, row, mode="clip")[:, None])
-    product = common.unfused_product(
-        jnp.take(weights, entry, mode="clip")[:, None], values)
-    return acc + jnp.where(ok[:, None], product, 0.0)
-
-  return lax.fori_loop(0, max_len, add_entry,
-                       jnp.zeros((num_bags, width), jnp.float32),
-                       unroll=min(max_len, 8))
+  values = lambda entry: _dequantized_rows(
+      codes, scale, bias, jnp.take(rows, entry, mode="clip"))
+  return _pool_entries(values, weights, bag_starts, width, max_len)
