@@ -165,8 +165,8 @@ def serve(config: TrainConfig, export_dir: str, log=print) -> dict:
              "steps": metrics["steps"]}
   rmse = loaded["rmse"]
   log(f"served {name} RMSE (fresh process, jax + numpy + pallas_emb only): "
-      + ", ".join(f"{d} {rmse[d]:.4f}" for d in DTYPES)
-      + f"; the trained state's own evaluation {metrics[f'{name}_rmse']:.4f}")
+      + ", ".join(f"{d} {rmse[d]:.5f}" for d in DTYPES)
+      + f"; the trained state's own evaluation {metrics[f'{name}_rmse']:.5f}")
   log("table bytes: " + ", ".join(
       f"{d} {sizes[d] / 2**20:.2f} MiB ({sizes['float32'] / sizes[d]:.2f}x)"
       for d in DTYPES))
