@@ -4,7 +4,7 @@
     python -m bench.quantized --backend pallas   # the Triton kernels (GPU)
 
 Times `kernels.gather_rows` on the f32 table (and its bf16 cast) and
-`quantize.gather_dequantized` on `quantize_rows(table, "int8")` for the same
+`kernels.gather_dequantized` on `quantize_rows(table, "int8")` for the same
 ids (median over `--rounds` of the mean of `--reps` queued calls, the cases
 taking turns), after checking that the int8 gather equals
 `dequantize_rows` of the table at those ids bit for bit. Prints one line
@@ -69,7 +69,7 @@ def main(argv=None) -> dict:
                              args.tokens, args.zipf))
   gather = jax.jit(functools.partial(kernels.gather_rows,
                                      backend=args.backend))
-  gather_int8 = jax.jit(functools.partial(quantize.gather_dequantized,
+  gather_int8 = jax.jit(functools.partial(kernels.gather_dequantized,
                                           backend=args.backend))
   want = np.asarray(quantize.dequantize_rows(rows))[np.asarray(ids)]
   got = np.asarray(gather_int8(*rows, ids))

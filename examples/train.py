@@ -80,6 +80,17 @@ def train(config: TrainConfig, log: Callable[[str], None] = print) -> dict:
   library's ValueErrors (pallas_emb.ShardingError, ...) for configs that
   cannot run.
   """
+  _, _, metrics = run_training(config, log)
+  if jax.process_index() == 0:
+    report.report(config, metrics, log)
+  return metrics
+
+
+def run_training(config: TrainConfig, log: Callable[[str], None] = print
+                 ) -> tuple[build_lib.Run, pe.PipelineState, dict]:
+  """`(run, state, metrics)`: `train` without the report. The state is the
+  loop's last (pipelined: its last update still staged, which
+  `run.trainer.flush` applies; the metrics evaluated it flushed)."""
   cli.check_config(config)
   run = build_lib.build(config, data_lib.load_data(config))
   is_main = jax.process_index() == 0
@@ -94,19 +105,17 @@ def train(config: TrainConfig, log: Callable[[str], None] = print) -> dict:
                                                     evaluator, monitor, log)
   metrics = report.finish(run, state, step, begin.step, timing, evaluator,
                           monitor, next_batch, log)
-  if is_main:
-    report.report(config, metrics, log)
-  return metrics
+  return run, state, metrics
 
 
 # --- entry point -------------------------------------------------------------
 
-_ERRORS = (datasets.DataError, ConfigError, pe.ShardingError,
+ERRORS = (datasets.DataError, ConfigError, pe.ShardingError,
            pe.HyperParameterError, checkpoint.CheckpointError)
 
 
-def _main(argv: list[str], config_class: type[TrainConfig] = TrainConfig
-          ) -> int:
+def _main(argv: list[str], config_class: type[TrainConfig] = TrainConfig,
+          program: Callable[[TrainConfig], object] | None = None) -> int:
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments {argv[1:]}")
   config = cli.config_from_flags(flags.FLAGS, config_class)
@@ -116,14 +125,17 @@ def _main(argv: list[str], config_class: type[TrainConfig] = TrainConfig
   try:
     if config.distributed:
       startup.initialize_distributed(config)
-    train(config)
-  except _ERRORS as e:
+    (program or train)(config)
+  except ERRORS as e:
     print(f"error: {e}", file=sys.stderr)
     return 1
   return 0
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None,
+         program: Callable[[TrainConfig], object] | None = None) -> None:
+  """Parses the config and flags, then runs `program(config)` (default:
+  `train`; examples.serve passes its own)."""
   argv = list(sys.argv if argv is None else argv)
   path = cli.config_path_from_argv(argv)
   try:
@@ -134,7 +146,8 @@ def main(argv: list[str] | None = None) -> None:
   cli.define_flags(defaults)
   # The flags live in examples/cli.py; --help lists them as this program's.
   flags.adopt_module_key_flags(cli)
-  app.run(functools.partial(_main, config_class=type(defaults)), argv=argv)
+  app.run(functools.partial(_main, config_class=type(defaults),
+                            program=program), argv=argv)
 
 
 if __name__ == "__main__":

@@ -50,6 +50,7 @@ from pallas_emb.specs import TableSpec
 from pallas_emb.stack import StackRouting
 from pallas_emb.state import CollectionState
 from pallas_emb.state import Routing
+from pallas_emb.state import ServingState
 from pallas_emb.state import StackState
 from pallas_emb.update import UpdateStats
 from pallas_emb.validation import BACKENDS
@@ -87,6 +88,7 @@ __all__ = [
     "PipelineMisuse",
     "PipelineState",
     "Routing",
+    "ServingState",
     "RowwiseAdagrad",
     "RowwiseAdagradState",
     "Sgd",

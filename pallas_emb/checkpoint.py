@@ -3,6 +3,7 @@
     save(directory, state, step=7)      # writes <directory>/7
     latest_step(directory)              # -> 7, or None
     restore(directory, target)          # latest complete step, onto target
+    restore_serving(directory, coll, "int8")   # a saved coll.quantize(...)
 
 `state` is any pytree of (possibly sharded) global `jax.Array`s and python
 ints/floats. `target` has the same structure; each leaf is a `jax.Array` or a
@@ -53,7 +54,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_emb import quantize
 from pallas_emb.errors import CheckpointError
+from pallas_emb.state import ServingState
 
 # Orbax's commit marker (written last in both of its atomicity modes).
 _COMMIT_MARKER = "commit_success.txt"
@@ -577,3 +580,43 @@ def restore_collection(directory, coll, *, step: int | None = None,
     for name in missing:
       tables[name], opt_states[name] = fresh_tables[name], fresh_opt[name]
   return coll.state_from_arrays(tables, opt_states), tree["extra"]
+
+
+# --- serving states ---------------------------------------------------------
+
+
+def serving_target(coll, dtype: str) -> ServingState:
+  """The `restore` target of a saved `coll.quantize(state, dtype)`: every
+  stack's serving arrays as ShapeDtypeStructs placed where `coll.lookup`
+  reads them (codes / cast tables column-sharded, scale and bias
+  replicated)."""
+  dtype = quantize.check_serving_dtype(dtype)
+  replicated = jax.sharding.NamedSharding(coll.mesh,
+                                          jax.sharding.PartitionSpec())
+  stacks = {}
+  for stack in coll.plan.stacks:
+    shape = (stack.total_rows, stack.emb_width)
+    if dtype == quantize.INT8:
+      rows = jax.ShapeDtypeStruct(shape[:1], jnp.float32, sharding=replicated)
+      stacks[stack.name] = quantize.QuantizedRows(
+          jax.ShapeDtypeStruct(shape, jnp.uint8,
+                               sharding=coll.table_sharding()), rows, rows)
+    else:
+      stacks[stack.name] = jax.ShapeDtypeStruct(
+          shape, jnp.dtype(dtype), sharding=coll.table_sharding())
+  return ServingState(stacks, dtype, coll.plan.fingerprint)
+
+
+def restore_serving(directory, coll, dtype: str, *,
+                    step: int | None = None) -> ServingState:
+  """A `ServingState` saved with `save(directory, coll.quantize(state,
+  dtype), step=...)`, restored onto `coll` (any mesh with the same table
+  axis size or another: the arrays are global).
+
+  The serving arrays are stored per stack, so `coll` must stack its tables
+  as the quantizing collection did (same TableSpecs in the same order); a
+  checkpoint of another stacking or dtype does not match the target and is
+  a CheckpointError. To serve under another stacking, quantize the state
+  restored by `restore_collection` instead.
+  """
+  return restore(directory, serving_target(coll, dtype), step=step)

@@ -39,6 +39,7 @@ from pallas_emb import kernels
 from pallas_emb import layout as layout_lib
 from pallas_emb import per_rank
 from pallas_emb import plan as plan_lib
+from pallas_emb import quantize as quantize_lib
 from pallas_emb import stack as stack_lib
 from pallas_emb import update as update_lib
 from pallas_emb import validation
@@ -48,6 +49,7 @@ from pallas_emb.specs import FeatureSpec
 from pallas_emb.specs import TableSpec
 from pallas_emb.state import CollectionState
 from pallas_emb.state import Routing
+from pallas_emb.state import ServingState
 from pallas_emb.state import StackState
 
 
@@ -239,6 +241,30 @@ class EmbeddingCollection:
           start + stack.vocab_rows[i])
     return out
 
+  def quantize(self, state: CollectionState, dtype: str) -> ServingState:
+    """A read-only serving copy of the state's tables, for `lookup`.
+
+    dtype "int8": every stacked row in row-wise int8 (`quantize.py`: uint8
+    codes, f32 scale and bias per row; `lookup` then returns float32
+    embeddings, each element within `scale / 2` of the table's value plus
+    f32 rounding); "bfloat16" / "float16": the tables cast (`lookup`
+    returns that dtype). No optimizer state; `lookup_and_route`,
+    `apply_gradients` and the Trainer refuse it. A table with a non-finite
+    row cannot be quantized to int8 (InputError).
+    """
+    _check_state(self, state)
+    name = quantize_lib.check_serving_dtype(dtype)
+    return ServingState(
+        {s.name: quantize_lib.quantize_rows(state.stacks[s.name].table, name)
+         for s in self.plan.stacks}, name, self.plan.fingerprint)
+
+  def _serving_specs(self, dtype: str):
+    if dtype == quantize_lib.INT8:
+      spec = quantize_lib.QuantizedRows(self._table_spec(), P(), P())
+    else:
+      spec = self._table_spec()
+    return tuple(spec for _ in self.plan.stacks)
+
   # --- per-call checks ----------------------------------------------------------
 
   def _read(self, batch) -> inputs_lib.BatchInputs:
@@ -295,12 +321,40 @@ class EmbeddingCollection:
     scatter-add (right for plain `jax.grad` + optax, O(rows) memory) and,
     like the sparse update, gives nothing to padding and to ids outside
     their table; `apply_gradients` is the sparse path.
+
+    `state` may be a `ServingState` (`quantize`): the rows are then read
+    from the serving copy, dequantized inside the gather and the pool (an
+    int8 state's embeddings are float32, pooled in f32; a bf16 / f16
+    state's are in that dtype), and the lookup is not differentiable.
     """
+    if isinstance(state, ServingState):
+      return self._serve(state, batch)
     inputs = self._read(batch)
     layouts = self._layouts(inputs.shapes(), inputs.implicit)
     outs = per_rank.collection_lookup(
         self, layouts, self._tables(state), self._placed(inputs.ids),
         self._placed_weights(inputs.weights))
+    return dict(zip(self.features, outs))
+
+  def _serve(self, state: ServingState, batch) -> dict[str, jax.Array]:
+    """`lookup` of a serving state: the collection's per-rank lookup over
+    the serving tables, without the differentiable wrapper."""
+    _check_serving(self, state)
+    inputs = self._read(batch)
+    layouts = self._layouts(inputs.shapes(), inputs.implicit)
+    specs = self._serving_specs(state.dtype)
+    tables = exchange.place_state(
+        tuple(state.stacks[s.name] for s in self.plan.stacks), specs,
+        self.mesh, "serving state")
+    fn = functools.partial(per_rank.lookup_per_rank, self.backend,
+                           self.kernel_config, self._order(), layouts,
+                           route=False)
+    outs = exchange.shard(
+        layouts[0].ctx, fn,
+        in_specs=(specs, self._feature_specs(), self._pooled_specs()),
+        out_specs=self._feature_specs(),
+    )(tables, self._placed(inputs.ids),
+      self._placed_weights(inputs.weights))
     return dict(zip(self.features, outs))
 
   def lookup_and_route(self, state: CollectionState, batch
@@ -480,16 +534,19 @@ def _check_names(mapping, expected, what) -> None:
 
 
 def _check_state(coll: EmbeddingCollection, state) -> None:
+  if isinstance(state, ServingState):
+    raise InputError(
+        "pallas_emb collection state is a ServingState (the read-only "
+        "serving copy coll.quantize returns), which only coll.lookup "
+        "reads; expected the CollectionState that coll.init(key) returns "
+        "for training, routing and table access.")
   if not isinstance(state, CollectionState):
     raise InputError(
         f"pallas_emb collection state is a {type(state).__name__}; expected "
         "the CollectionState that coll.init(key) returns.")
-  expected = sorted(s.name for s in coll.plan.stacks)
-  if sorted(state.stacks) != expected:
-    raise InputError(
-        f"pallas_emb collection state has stacks {sorted(state.stacks)}; "
-        f"this collection's plan has {expected} (a state of another "
-        "collection? restore it through table_arrays/state_from_arrays).")
+  _check_stack_names(coll, state.stacks, "state", (
+      " (a state of another collection? restore it through "
+      "table_arrays/state_from_arrays)."))
   _check_fingerprint(coll, state.fingerprint, "state")
   for stack in coll.plan.stacks:
     table = state.stacks[stack.name].table
@@ -499,6 +556,43 @@ def _check_state(coll: EmbeddingCollection, state) -> None:
           f"pallas_emb collection state {stack.name} table is "
           f"{np.dtype(table.dtype).name}{list(table.shape)}; the plan says "
           f"{stack.dtype.name}{list(shape)}.")
+
+
+def _check_stack_names(coll: EmbeddingCollection, stacks, what: str,
+                       fix: str) -> None:
+  expected = sorted(s.name for s in coll.plan.stacks)
+  if sorted(stacks) != expected:
+    raise InputError(
+        f"pallas_emb collection {what} has stacks {sorted(stacks)}; this "
+        f"collection's plan has {expected}{fix}")
+
+
+def _check_serving(coll: EmbeddingCollection, state: ServingState) -> None:
+  """A serving state of this collection: its stacks, dtype and shapes."""
+  _check_stack_names(coll, state.stacks, "serving state", (
+      ". Pass the ServingState this collection's quantize returned."))
+  _check_fingerprint(coll, state.fingerprint, "serving state")
+  if state.dtype not in quantize_lib.SERVING_DTYPES:
+    raise InputError(
+        f"pallas_emb collection serving state dtype={state.dtype!r}; "
+        f"expected one of {quantize_lib.SERVING_DTYPES} (coll.quantize).")
+  for stack in coll.plan.stacks:
+    shape = (stack.total_rows, stack.emb_width)
+    rows = state.stacks[stack.name]
+    if state.dtype == quantize_lib.INT8:
+      want = quantize_lib.QuantizedRows(
+          ("uint8", shape), ("float32", shape[:1]), ("float32", shape[:1]))
+      got = (tuple((np.dtype(x.dtype).name, tuple(x.shape)) for x in rows)
+             if isinstance(rows, quantize_lib.QuantizedRows) else None)
+    else:
+      want = (state.dtype, shape)
+      got = (None if isinstance(rows, quantize_lib.QuantizedRows) else
+             (np.dtype(rows.dtype).name, tuple(rows.shape)))
+    if got != tuple(want):
+      raise InputError(
+          f"pallas_emb collection serving state {stack.name} is {got}; the "
+          f"plan and dtype {state.dtype!r} say {tuple(want)}. Pass the "
+          "ServingState this collection's quantize returned.")
 
 
 def _check_fingerprint(coll: EmbeddingCollection, fingerprint, what: str
@@ -514,12 +608,8 @@ def _check_fingerprint(coll: EmbeddingCollection, fingerprint, what: str
 
 def _check_routing(coll: EmbeddingCollection, routing: Routing) -> None:
   _check_fingerprint(coll, routing.fingerprint, "routing")
-  expected = sorted(s.name for s in coll.plan.stacks)
-  if sorted(routing.stacks) != expected:
-    raise InputError(
-        f"pallas_emb collection routing has stacks {sorted(routing.stacks)}; "
-        f"this collection's plan has {expected}. Pass the routing this "
-        "collection's lookup_and_route returned.")
+  _check_stack_names(coll, routing.stacks, "routing", (
+      ". Pass the routing this collection's lookup_and_route returned."))
   names = sorted(name for name, _ in routing.shapes)
   if names != sorted(coll.features):
     raise InputError(

@@ -38,11 +38,9 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from pallas_emb import kernels
 from pallas_emb.errors import InputError
 from pallas_emb.kernels import common
 
@@ -143,84 +141,7 @@ def _check_finite(table: jax.Array, out: QuantizedRows) -> None:
       "max - min is a finite float32. Fix or clip those rows first.")
 
 
-def dequantize(codes: jax.Array, scale: jax.Array,
-               bias: jax.Array) -> jax.Array:
-  """`codes * scale + bias` in f32, the product rounded on its own.
-
-  `scale` and `bias` broadcast against `codes` (e.g. `[N, 1]` against
-  `[N, S]`). The product is never contracted into an FMA (see
-  `common.unfused_product`), so the kernel and the twin agree bit for bit.
-  """
-  return common.unfused_product(codes.astype(jnp.float32), scale) + bias
-
-
 def dequantize_rows(rows: QuantizedRows) -> jax.Array:
   """The f32 `[V, D]` table a `QuantizedRows` reads back as."""
-  return dequantize(rows.codes, rows.scale[:, None], rows.bias[:, None])
-
-
-def gather_dequantized_reference(codes: jax.Array, scale: jax.Array,
-                                 bias: jax.Array,
-                                 ids: jax.Array) -> jax.Array:
-  """Twin of `quantized_gather.gather_dequantized` (the xla backend).
-
-  `[N, S]` f32 rows `codes[r] * scale[r] + bias[r]`, r the id wrapped once
-  and clamped into the table, for a `[V, S]` uint8 column shard.
-  """
-  rows = common.wrap_and_clamp(ids, codes.shape[0])
-  return dequantize(jnp.take(codes, rows, axis=0, mode="clip"),
-                    jnp.take(scale, rows, mode="clip")[:, None],
-                    jnp.take(bias, rows, mode="clip")[:, None])
-
-
-def pool_dequantized_reference(codes, scale, bias, rows, weights,
-                               bag_starts, *, max_len: int) -> jax.Array:
-  """Twin of `quantized_gather.pool_dequantized`: the same sums in the same
-  order (one gather per entry position `k < max_len`, added in order), so
-  it equals the kernel bit for bit."""
-  vocab_rows, width = codes.shape
-  num_bags = bag_starts.shape[0] - 1
-  if num_bags == 0 or max_len == 0 or rows.shape[0] == 0:
-    return jnp.zeros((num_bags, width), jnp.float32)
-  start, end = bag_starts[:-1], bag_starts[1:]
-  weights = weights.astype(jnp.float32)
-  rows = common.wrap_and_clamp(rows, vocab_rows)
-
-  def add_entry(k, acc):
-    entry = start + k
-    ok = entry < end
-    entry = jnp.where(ok, entry, 0)
-    row = jnp.take(rows, entry, mode="clip")
-    values = dequantize(jnp.take(codes, row, axis=0, mode="clip"),
-                        jnp.take(scale, row, mode="clip")[:, None],
-                        jnp.take(bias, row, mode="clip")[:, None])
-    product = common.unfused_product(
-        jnp.take(weights, entry, mode="clip")[:, None], values)
-    return acc + jnp.where(ok[:, None], product, 0.0)
-
-  return lax.fori_loop(0, max_len, add_entry,
-                       jnp.zeros((num_bags, width), jnp.float32),
-                       unroll=min(max_len, 8))
-
-
-def gather_dequantized(codes, scale, bias, ids, *, backend: str,
-                       config=None) -> jax.Array:
-  """Dispatch on the backend like `kernels.gather_rows` (see module doc)."""
-  if not kernels._pallas(backend):  # pylint: disable=protected-access
-    return gather_dequantized_reference(codes, scale, bias, ids)
-  from pallas_emb.kernels import quantized_gather  # pylint: disable=g-import-not-at-top
-  return quantized_gather.gather_dequantized(
-      codes, scale, bias, ids, config=config,
-      interpret=backend == "interpret")
-
-
-def pool_dequantized(codes, scale, bias, rows, weights, bag_starts, *,
-                     max_len: int, backend: str, config=None) -> jax.Array:
-  """Dispatch on the backend like `kernels.pool_rows`."""
-  if not kernels._pallas(backend):  # pylint: disable=protected-access
-    return pool_dequantized_reference(codes, scale, bias, rows, weights,
-                                      bag_starts, max_len=max_len)
-  from pallas_emb.kernels import quantized_gather  # pylint: disable=g-import-not-at-top
-  return quantized_gather.pool_dequantized(
-      codes, scale, bias, rows, weights, bag_starts, max_len=max_len,
-      config=config, interpret=backend == "interpret")
+  return common.dequantize(rows.codes, rows.scale[:, None],
+                           rows.bias[:, None])

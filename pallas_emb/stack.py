@@ -29,6 +29,7 @@ from pallas_emb.errors import InputError
 from pallas_emb.kernels import common
 from pallas_emb.layout import FeatureLayout
 from pallas_emb.layout import StackLayout
+from pallas_emb.quantize import QuantizedRows
 
 
 class StackRouting(NamedTuple):
@@ -156,23 +157,34 @@ def serve_and_route(layout: StackLayout, backend: str, table, keys_all,
 
 def gather_served(layout: StackLayout, backend: str, table, keys_all,
                   weights_all, kernel_config=None) -> jax.Array:
-  """`[W, rows per rank, S]`: this rank's columns of every row it serves."""
+  """`[W, rows per rank, S]`: this rank's columns of every row it serves.
+
+  `table` is the stack's table, or its row-wise int8 serving copy
+  (`QuantizedRows`): then each row is dequantized inside the gather and the
+  pool, and the served rows are f32.
+  """
   ctx = layout.ctx
   w = ctx.group_size
   rows = rows_of(keys_all)
+  config = kernel_config or kernels.KernelConfig()
+  if isinstance(table, QuantizedRows):
+    gather = lambda ids: kernels.gather_dequantized(
+        *table, ids, backend=backend, config=config.quantized)
+    pool = lambda *args, **kw: kernels.pool_dequantized(
+        *table, *args, **kw, backend=backend, config=config.quantized)
+  else:
+    gather = lambda ids: kernels.gather_rows(table, ids, backend=backend,
+                                             config=config.gather)
+    pool = lambda *args, **kw: kernels.pool_rows(
+        table, *args, **kw, backend=backend, config=config.pool)
   served = []
   if layout.sequence:
     seq = rows[:, :layout.sequence_entries].reshape(-1)
-    served.append(kernels.gather_rows(
-        table, seq, backend=backend,
-        config=kernel_config.gather if kernel_config else None).reshape(
-            w, layout.sequence_entries, -1))
+    served.append(gather(seq).reshape(w, layout.sequence_entries, -1))
   if layout.pooled:
-    pooled = kernels.pool_rows(
-        table, rows[:, layout.sequence_entries:].reshape(-1),
-        weights_all.reshape(-1), jnp.asarray(layout.bag_starts()),
-        max_len=layout.max_bag_len, backend=backend,
-        config=kernel_config.pool if kernel_config else None)
+    pooled = pool(rows[:, layout.sequence_entries:].reshape(-1),
+                  weights_all.reshape(-1), jnp.asarray(layout.bag_starts()),
+                  max_len=layout.max_bag_len)
     served.append(pooled.reshape(w, layout.pooled_bags, -1))
   return jnp.concatenate(served, axis=1) if len(served) > 1 else served[0]
 

@@ -1,4 +1,5 @@
-"""What a collection carries between steps: its state and a batch's routing.
+"""What a collection carries between steps: its state and a batch's routing;
+and the read-only serving copy of its tables.
 
 Pytrees of arrays. Each carries the fingerprint of the plan that made it,
 so handing a state or a routing to another collection (other tables, another
@@ -14,6 +15,7 @@ from typing import Any, NamedTuple
 
 import jax
 
+from pallas_emb.quantize import QuantizedRows
 from pallas_emb.stack import StackRouting
 
 
@@ -56,4 +58,22 @@ class Routing:
   stacks: dict[str, StackRouting]
   shapes: tuple[tuple[str, tuple[int, ...]], ...]
   implicit_weights: tuple[str, ...] = ()
+  fingerprint: str | None = None
+
+
+@functools.partial(jax.tree_util.register_dataclass,
+                   data_fields=["stacks"], meta_fields=["dtype", "fingerprint"])
+@dataclasses.dataclass(frozen=True)
+class ServingState:
+  """A read-only serving copy of a collection's tables (`coll.quantize`).
+
+  `stacks`: stack name -> `QuantizedRows` (dtype "int8": uint8 codes with
+  the table's column sharding, f32 scale and bias per row, replicated) or
+  the stack's table cast to `dtype` ("bfloat16", "float16"). No optimizer
+  state: `coll.lookup` reads it, nothing trains it. `dtype` and
+  `fingerprint` (static, as `CollectionState`'s) are not saved in a
+  checkpoint; `checkpoint.restore_serving` takes them from the collection.
+  """
+  stacks: dict[str, QuantizedRows | jax.Array]
+  dtype: str
   fingerprint: str | None = None

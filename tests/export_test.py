@@ -29,6 +29,7 @@ import numpy as np
 import pallas_emb as pe
 from pallas_emb import errors
 from pallas_emb import export
+from pallas_emb import kernels
 from pallas_emb import quantize
 
 BATCH_SIZES = (16, 64)
@@ -95,7 +96,7 @@ def quantized_case():
            "bias": jnp.arange(12, dtype=jnp.bfloat16)}
 
   def fn(state, ids):
-    emb = quantize.gather_dequantized(*state["rows"], ids, backend="xla")
+    emb = kernels.gather_dequantized(*state["rows"], ids, backend="xla")
     return emb + state["bias"].astype(jnp.float32)
 
   ids = np.arange(-55, 55, 3, dtype=np.int32)

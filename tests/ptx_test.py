@@ -50,7 +50,7 @@ from jax.sharding import PartitionSpec as P
 import numpy as np
 
 import pallas_emb as pe
-from pallas_emb import quantize
+from pallas_emb import kernels
 from pallas_emb.kernels import sparse_update
 from pallas_emb.optimizers import base
 from pallas_emb.testing import ptx
@@ -207,15 +207,15 @@ class PtxTest(parameterized.TestCase):
     if pooled:
       bags = TOKENS // 16
       (kernel,) = ptx.capture(
-          lambda c, s, b, r, w, st: quantize.pool_dequantized(
+          lambda c, s, b, r, w, st: kernels.pool_dequantized(
               c, s, b, r, w, st, max_len=16, backend="pallas"),
           codes, rows, rows, jax.ShapeDtypeStruct((TOKENS,), jnp.int32),
           jax.ShapeDtypeStruct((TOKENS,), jnp.float32),
           jax.ShapeDtypeStruct((bags + 1,), jnp.int32))
     else:
       (kernel,) = ptx.capture(
-          lambda c, s, b, i: quantize.gather_dequantized(c, s, b, i,
-                                                         backend="pallas"),
+          lambda c, s, b, i: kernels.gather_dequantized(c, s, b, i,
+                                                        backend="pallas"),
           codes, rows, rows, jax.ShapeDtypeStruct((TOKENS,), jnp.int32))
     self.assertEqual(kernel.name, "pallas_emb_quantized_pool" if pooled
                      else "pallas_emb_quantized_gather")

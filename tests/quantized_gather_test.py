@@ -18,8 +18,10 @@ import jax.numpy as jnp
 import numpy as np
 
 import gather_test
+from pallas_emb import kernels
 from pallas_emb import quantize
 from pallas_emb.kernels import quantized_gather
+from pallas_emb.kernels import reference
 
 KERNEL_BACKENDS = gather_test.KERNEL_BACKENDS
 F32 = np.float32
@@ -84,7 +86,7 @@ class QuantizedGatherTest(parameterized.TestCase):
     vocab = 41
     codes, scale, bias = random_rows(width, vocab, width)
     ids = gather_test.edge_ids(width, num_ids, vocab)
-    fn = jax.jit(functools.partial(quantize.gather_dequantized,
+    fn = jax.jit(functools.partial(kernels.gather_dequantized,
                                    backend=backend))
     out = fn(codes, scale, bias, ids)
     test_util.assert_bits_equal(
@@ -104,7 +106,7 @@ class QuantizedGatherTest(parameterized.TestCase):
         codes, scale, bias, ids,
         config=quantized_gather.QuantizedGatherConfig(**config),
         interpret=backend == "interpret")
-    twin = quantize.gather_dequantized_reference(
+    twin = reference.gather_dequantized(
         jnp.asarray(codes), jnp.asarray(scale), jnp.asarray(bias),
         jnp.asarray(ids))
     test_util.assert_bits_equal(self, out, twin)
@@ -117,7 +119,7 @@ class QuantizedGatherTest(parameterized.TestCase):
     want = np.asarray(quantize.dequantize_rows(rows))[
         gather_test.np_gather(np.arange(30), ids)]
     for backend in ("xla",) + KERNEL_BACKENDS:
-      out = quantize.gather_dequantized(*rows, ids, backend=backend)
+      out = kernels.gather_dequantized(*rows, ids, backend=backend)
       test_util.assert_bits_equal(self, out, want, backend)
 
   @parameterized.named_parameters(
@@ -127,7 +129,7 @@ class QuantizedGatherTest(parameterized.TestCase):
   def test_pooled_matches_numpy(self, backend, width):
     codes, scale, bias = random_rows(width, 37, width)
     rows, weights, starts = random_bags(width, 37, 29, 5)
-    fn = jax.jit(functools.partial(quantize.pool_dequantized, max_len=5,
+    fn = jax.jit(functools.partial(kernels.pool_dequantized, max_len=5,
                                    backend=backend))
     out = fn(codes, scale, bias, rows, weights, starts)
     test_util.assert_bits_equal(
@@ -151,7 +153,7 @@ class QuantizedGatherTest(parameterized.TestCase):
         *args, max_len=4,
         config=quantized_gather.QuantizedGatherConfig(**config),
         interpret=backend == "interpret")
-    twin = quantize.pool_dequantized_reference(
+    twin = reference.pool_dequantized(
         *(jnp.asarray(a) for a in args), max_len=4)
     test_util.assert_bits_equal(self, out, test_util.as_numpy(twin))
     self.assertFalse(np.isnan(test_util.as_numpy(out)).any())
@@ -159,7 +161,7 @@ class QuantizedGatherTest(parameterized.TestCase):
   def test_pooled_empty(self):
     codes, scale, bias = random_rows(0, 5, 4)
     for backend in ("xla",) + KERNEL_BACKENDS:
-      out = quantize.pool_dequantized(
+      out = kernels.pool_dequantized(
           codes, scale, bias, np.zeros(0, np.int32), np.zeros(0, F32),
           np.zeros(3, np.int32), max_len=2, backend=backend)
       test_util.assert_bits_equal(self, out, np.zeros((2, 4), F32))
@@ -188,7 +190,7 @@ class QuantizedGatherTest(parameterized.TestCase):
       quantized_gather.gather_dequantized(codes, scale[:4], bias, ids)
     with self.assertRaisesRegex(ValueError, r"code shard \(134217728, 32\)"):
       jax.eval_shape(
-          functools.partial(quantize.gather_dequantized, backend="pallas"),
+          functools.partial(kernels.gather_dequantized, backend="pallas"),
           jax.ShapeDtypeStruct((2**27, 32), jnp.uint8),
           jax.ShapeDtypeStruct((2**27,), jnp.float32),
           jax.ShapeDtypeStruct((2**27,), jnp.float32),
@@ -199,7 +201,7 @@ class QuantizedGatherTest(parameterized.TestCase):
     codes = jax.ShapeDtypeStruct((1000, width), jnp.uint8)
     rows = jax.ShapeDtypeStruct((1000,), jnp.float32)
     ids = jax.ShapeDtypeStruct((300,), jnp.int32)
-    fn = functools.partial(quantize.gather_dequantized, backend="pallas")
+    fn = functools.partial(kernels.gather_dequantized, backend="pallas")
     text = jax.jit(fn).trace(codes, rows, rows, ids).lower(
         lowering_platforms=("cuda",)).as_text()
     self.assertIn(gather_test.TRITON_CALL, text)

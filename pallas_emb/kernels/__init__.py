@@ -25,6 +25,7 @@ from pallas_emb.kernels import xla
 if TYPE_CHECKING:
   from pallas_emb.kernels.gather import GatherConfig
   from pallas_emb.kernels.pool import PoolConfig
+  from pallas_emb.kernels.quantized_gather import QuantizedGatherConfig
   from pallas_emb.kernels.segment_sum import SegmentSumConfig
   from pallas_emb.kernels.sparse_update import SparseUpdateConfig
 
@@ -44,7 +45,9 @@ class KernelConfig:
   gather: `gather.GatherConfig` (lookup of sequence ids); pool:
   `pool.PoolConfig` (lookup of pooled bags); segment_sum:
   `segment_sum.SegmentSumConfig`; update:
-  `sparse_update.SparseUpdateConfig` (every optimizer's update kernel).
+  `sparse_update.SparseUpdateConfig` (every optimizer's update kernel);
+  quantized: `quantized_gather.QuantizedGatherConfig` (the lookup of an
+  int8 serving state, sequence ids and pooled bags).
   Frozen and hashable, so it can be a static argument of a jit. Reach it
   through `lookup(..., kernel_config=)`, `apply_gradients(...,
   kernel_config=)` or `EmbeddingCollection(..., kernel_config=)` (which the
@@ -54,6 +57,7 @@ class KernelConfig:
   segment_sum: SegmentSumConfig | None = None
   update: SparseUpdateConfig | None = None
   pool: PoolConfig | None = None
+  quantized: QuantizedGatherConfig | None = None
 
 
 def _pallas(backend: str) -> bool:
@@ -124,3 +128,28 @@ def pool_rows(table, rows, weights, bag_starts, *, max_len: int,
   from pallas_emb.kernels import pool  # pylint: disable=g-import-not-at-top
   return pool.pool_rows(table, rows, weights, bag_starts, max_len=max_len,
                         config=config, interpret=backend == "interpret")
+
+
+def gather_dequantized(codes, scale, bias, ids, *, backend: str,
+                       config=None):
+  """f32 `[N, S]` rows of a `[V, S]` uint8 shard of a row-wise int8 table,
+  `codes[r] * scale[r] + bias[r]` for `[N]` ids (wrapped, clamped)."""
+  if not _pallas(backend):
+    return xla.gather_dequantized(codes, scale, bias, ids)
+  from pallas_emb.kernels import quantized_gather  # pylint: disable=g-import-not-at-top
+  return quantized_gather.gather_dequantized(
+      codes, scale, bias, ids, config=config,
+      interpret=backend == "interpret")
+
+
+def pool_dequantized(codes, scale, bias, rows, weights, bag_starts, *,
+                     max_len: int, backend: str, config=None):
+  """f32 `[M, S]` weighted sums of dequantized rows of CSR bags (as
+  `pool_rows`, accumulated and returned in f32)."""
+  if not _pallas(backend):
+    return xla.pool_dequantized(codes, scale, bias, rows, weights,
+                                      bag_starts, max_len=max_len)
+  from pallas_emb.kernels import quantized_gather  # pylint: disable=g-import-not-at-top
+  return quantized_gather.pool_dequantized(
+      codes, scale, bias, rows, weights, bag_starts, max_len=max_len,
+      config=config, interpret=backend == "interpret")

@@ -252,6 +252,18 @@ def unfused_product(x: jax.Array, y: jax.Array) -> jax.Array:
   return jnp.where(jnp.isnan(p), jnp.float32(jnp.nan), p)
 
 
+def dequantize(codes: jax.Array, scale: jax.Array,
+               bias: jax.Array) -> jax.Array:
+  """Row-wise int8 read back: `codes * scale + bias` in f32, the product
+  rounded on its own.
+
+  `scale` and `bias` broadcast against `codes` (e.g. `[N, 1]` against
+  `[N, S]`). The product is never contracted into an FMA
+  (`unfused_product`), so the kernels and their twins agree bit for bit.
+  """
+  return unfused_product(codes.astype(jnp.float32), scale) + bias
+
+
 def adagrad_row_update(row_state, last_step, row_sq, step, learning_rate,
                        hparams):
   """Per-row part of row-wise Adagrad: `(accum, wd, lr_scale)`, all f32.

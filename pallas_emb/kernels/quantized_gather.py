@@ -7,7 +7,7 @@ semantics) and `[N]` ids:
     out[n] = codes[r] * scale[r] + bias[r]      r = wrap_and_clamp(ids[n])
 
 computed in f32 with the product rounded on its own, so the result equals
-the jnp twin (`quantize.gather_dequantized_reference`) bit for bit.
+the jnp twin (`reference.gather_dequantized`) bit for bit.
 
 The layout is the f32 gather's (`gather.py`): flat views, program `(i, j)`
 owns `block_rows` ids and `block_cols` columns, the per-row mask and the
@@ -31,7 +31,6 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_emb import quantize
 from pallas_emb.kernels import common
 
 # The f32 output tile: 4096 elements (16 KiB) in registers, row segments of
@@ -84,7 +83,7 @@ def _kernel(ids_ref, codes_ref, scale_ref, bias_ref, out_ref, *, num_ids,
     mask = mask & (cols < width)[None, :]
   codes = plgpu.load(codes_ref.at[ids[:, None] * width + cols[None, :]],
                      mask=mask, other=0)
-  values = quantize.dequantize(codes, scale[:, None], bias[:, None])
+  values = common.dequantize(codes, scale[:, None], bias[:, None])
   dst = jnp.where(row_ok, rows, 0)[:, None] * width + cols[None, :]
   dst = common.store_offsets(dst, mask, num_ids * width, interpret)
   plgpu.store(out_ref.at[dst], values, mask=mask)
@@ -168,7 +167,7 @@ def _pool_kernel(starts_ref, rows_ref, weights_ref, codes_ref, scale_ref,
       mask = mask & col_ok[None, :]
     codes = plgpu.load(codes_ref.at[row[:, None] * width + cols[None, :]],
                        mask=mask, other=0)
-    values = quantize.dequantize(codes, scale[:, None], bias[:, None])
+    values = common.dequantize(codes, scale[:, None], bias[:, None])
     # A masked lane adds 0, whatever row 0's scale and bias are.
     product = common.unfused_product(weight[:, None], values)
     return acc + jnp.where(ok[:, None], product, 0.0)

@@ -13,6 +13,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from pallas_emb.kernels import common
 
@@ -117,23 +118,71 @@ def pool_rows(table, rows, weights, bag_starts, *, max_len: int):
   accumulated in f32 in entry order, rounded once to the table dtype.
 
   The same sums in the same order as the kernel (one entry position at a
-  time; a masked lane adds 0 * 0), so the two agree bit for bit.
+  time; a masked lane adds 0), so the two agree bit for bit.
   """
   vocab_rows, width = table.shape
   num_bags = bag_starts.shape[0] - 1
-  acc = jnp.zeros((num_bags, width), jnp.float32)
   if num_bags == 0 or max_len == 0 or rows.shape[0] == 0:
-    return acc.astype(table.dtype)
-  start, end = bag_starts[:-1], bag_starts[1:]
+    return jnp.zeros((num_bags, width), table.dtype)
   rows = common.wrap_and_clamp(rows, vocab_rows)
-  for k in range(max_len):
+  values = lambda entry: jnp.take(
+      table, jnp.take(rows, entry, mode="clip"), axis=0,
+      mode="clip").astype(jnp.float32)
+  return _pool_entries(values, weights, bag_starts, width,
+                       max_len).astype(table.dtype)
+
+
+def _pool_entries(values, weights, bag_starts, width: int, max_len: int
+                  ) -> jax.Array:
+  """f32 `[M, S]`: per bag, `weights[e] * values(e)` summed over its entries
+  in order, one gather of `[M, S]` rows per entry position `k < max_len`
+  (`values(entries)`: f32 `[M, S]` rows); a masked lane adds 0, as the
+  kernels' (their loads give 0)."""
+  start, end = bag_starts[:-1], bag_starts[1:]
+  weights = weights.astype(jnp.float32)
+
+  def add_entry(k, acc):
     entry = start + k
     ok = entry < end
     entry = jnp.where(ok, entry, 0)
-    values = jnp.take(table, jnp.take(rows, entry, mode="clip"), axis=0,
-                      mode="clip").astype(jnp.float32)
     product = common.unfused_product(
-        jnp.take(weights.astype(jnp.float32), entry, mode="clip")[:, None],
-        values)
-    acc = acc + jnp.where(ok[:, None], product, 0.0)
-  return acc.astype(table.dtype)
+        jnp.take(weights, entry, mode="clip")[:, None], values(entry))
+    return acc + jnp.where(ok[:, None], product, 0.0)
+
+  # Partly unrolled: fewer loop trips, each fusing several gathers.
+  return lax.fori_loop(0, max_len, add_entry,
+                       jnp.zeros((start.shape[0], width), jnp.float32),
+                       unroll=min(max_len, 8))
+
+
+def gather_dequantized(codes, scale, bias, ids) -> jax.Array:
+  """Oracle of `quantized_gather.gather_dequantized`.
+
+  `[N, S]` f32 rows `codes[r] * scale[r] + bias[r]`, r the id wrapped once
+  and clamped into the table, for a `[V, S]` uint8 column shard.
+  """
+  return _dequantized_rows(codes, scale, bias,
+                           common.wrap_and_clamp(ids, codes.shape[0]))
+
+
+def _dequantized_rows(codes, scale, bias, rows) -> jax.Array:
+  """f32 `[N, S]` rows `rows` (in range) of a row-wise int8 shard."""
+  return common.dequantize(jnp.take(codes, rows, axis=0, mode="clip"),
+                           jnp.take(scale, rows, mode="clip")[:, None],
+                           jnp.take(bias, rows, mode="clip")[:, None])
+
+
+def pool_dequantized(codes, scale, bias, rows, weights, bag_starts, *,
+                     max_len: int) -> jax.Array:
+  """Oracle of `quantized_gather.pool_dequantized`: the same sums in the same
+  order (one gather per entry position `k < max_len`, added in order), so
+  it equals the kernel bit for bit."""
+  vocab_rows, width = codes.shape
+  num_bags = bag_starts.shape[0] - 1
+  if num_bags == 0 or max_len == 0 or rows.shape[0] == 0:
+    return jnp.zeros((num_bags, width), jnp.float32)
+  rows = common.wrap_and_clamp(rows, vocab_rows)
+
+  values = lambda entry: _dequantized_rows(
+      codes, scale, bias, jnp.take(rows, entry, mode="clip"))
+  return _pool_entries(values, weights, bag_starts, width, max_len)

@@ -17,7 +17,10 @@ from jax import lax
 
 from pallas_emb.kernels import common
 from pallas_emb.kernels import reference
+# The same as their oracles: nothing about them is slow on XLA:CPU.
+from pallas_emb.kernels.reference import gather_dequantized  # pylint: disable=unused-import
 from pallas_emb.kernels.reference import gather_rows  # pylint: disable=unused-import
+from pallas_emb.kernels.reference import pool_dequantized  # pylint: disable=unused-import
 from pallas_emb.kernels.reference import kept_segments
 
 
@@ -83,41 +86,20 @@ def sparse_update(rule, table, row_state, element_state, unique_tokens,
 def pool_rows(table, rows, weights, bag_starts, *, max_len: int):
   """`reference.pool_rows` without a whole-table convert of a bf16 table.
 
-  One gather of `[M, S]` rows per entry position `k < max_len`, added in
-  order, so it equals the kernel bit for bit. A non-f32 table's entry rows
-  are gathered (and made f32, exactly) once, before the loop: an `[E, S]`
-  f32 buffer.
+  XLA:CPU gathers a bf16 table through an f32 convert of all of it; in the
+  loop that convert is shared and hoisted (a table-sized pass per step), so
+  a non-f32 table's entry rows are gathered (and made f32, exactly) once,
+  before the loop: an `[E, S]` f32 buffer. The same sums in the same order.
   """
+  if table.dtype == jnp.float32:
+    return reference.pool_rows(table, rows, weights, bag_starts,
+                               max_len=max_len)
   vocab_rows, width = table.shape
   num_bags = bag_starts.shape[0] - 1
   if num_bags == 0 or max_len == 0 or rows.shape[0] == 0:
     return jnp.zeros((num_bags, width), table.dtype)
-  start, end = bag_starts[:-1], bag_starts[1:]
-  weights = weights.astype(jnp.float32)
-  rows = common.wrap_and_clamp(rows, vocab_rows)
-  # XLA:CPU gathers a bf16 table through an f32 convert of all of it; in
-  # the loop that convert is shared and hoisted (a table-sized pass per
-  # step), so a non-f32 table's entry rows are gathered once, outside.
-  entry_rows = (None if table.dtype == jnp.float32 else
-                jnp.take(table, rows, axis=0).astype(jnp.float32))
-
-  def add_entry(k, acc):
-    entry = start + k
-    ok = entry < end
-    entry = jnp.where(ok, entry, 0)
-    if entry_rows is None:
-      values = jnp.take(table, jnp.take(rows, entry, mode="clip"), axis=0,
-                        mode="clip")
-    else:
-      values = jnp.take(entry_rows, entry, axis=0, mode="clip")
-    values = values.astype(jnp.float32)
-    product = common.unfused_product(
-        jnp.take(weights, entry, mode="clip")[:, None], values)
-    # A masked lane of the kernel adds 0 * 0 (its loads give 0).
-    return acc + jnp.where(ok[:, None], product, 0.0)
-
-  # Partly unrolled: fewer loop trips, each fusing several gathers.
-  acc = lax.fori_loop(0, max_len, add_entry,
-                      jnp.zeros((num_bags, width), jnp.float32),
-                      unroll=min(max_len, 8))
-  return acc.astype(table.dtype)
+  entry_rows = jnp.take(table, common.wrap_and_clamp(rows, vocab_rows),
+                        axis=0).astype(jnp.float32)
+  values = lambda entry: jnp.take(entry_rows, entry, axis=0, mode="clip")
+  return reference._pool_entries(values, weights, bag_starts, width,  # pylint: disable=protected-access
+                                 max_len).astype(table.dtype)

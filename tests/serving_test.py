@@ -1,0 +1,342 @@
+"""Serving states (`coll.quantize`) against a numpy model of the format.
+
+`coll.lookup(coll.quantize(state, dtype), batch)` must equal a float32
+numpy model bit for bit: the rows quantized as FBGEMM's row-wise int8
+(`quantize_test.np_quantize`), read back as `codes * scale + bias`, or cast
+to bf16 / f16; a sequence id reads the row of its id wrapped once and
+clamped into its table; a bag sums `weight * row` in entry order in f32
+with the combiner's weights (`sum` / `mean` / `sqrtn`, padding 0), rounded
+once to the output dtype (f32 for int8). Also: the int8 error bound, the
+checks, a checkpoint round trip, and an export loaded in a fresh process.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import textwrap
+
+import test_util
+
+from absl.testing import absltest
+from absl.testing import parameterized
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import pallas_emb as pe
+from pallas_emb import checkpoint
+from pallas_emb import export
+from pallas_emb import quantize
+from pallas_emb.state import ServingState
+import quantize_test
+
+F32 = np.float32
+U = quantize_test.U
+BATCH = 16
+CASTS = {"bfloat16": test_util.BF16, "float16": np.float16}
+
+
+def tables():
+  opt = pe.Sgd(0.1)
+  return [pe.TableSpec("items", 40, 16, optimizer=opt, padding_id=0),
+          pe.TableSpec("genre", 12, 8, optimizer=opt),
+          pe.TableSpec("tags", 10, 8, optimizer=opt, dtype=jnp.bfloat16)]
+
+
+def features():
+  return [pe.FeatureSpec("item", table="items"),
+          pe.FeatureSpec("history", table="items"),
+          pe.FeatureSpec("g_sum", table="genre", combiner="sum",
+                         weighted=True),
+          pe.FeatureSpec("g_mean", table="genre", combiner="mean"),
+          pe.FeatureSpec("i_sqrtn", table="items", combiner="sqrtn"),
+          pe.FeatureSpec("tags", table="tags", combiner="mean")]
+
+
+def make_collection(ranks, backend):
+  return pe.EmbeddingCollection(tables(), features(),
+                                test_util.mesh({"x": ranks}), "x",
+                                backend=backend)
+
+
+def host_tables():
+  """Random rows plus edge rows: constant rows (max == min: scale 0), a
+  zero row, a row far from zero with a tiny range."""
+  rng = np.random.default_rng(0)
+  out = {}
+  for spec in tables():
+    t = rng.standard_normal((spec.vocab_rows, spec.emb_width)).astype(F32)
+    t[1] = 0.75
+    t[2] = 0.0
+    t[3] = 1000.0 + np.linspace(0, 1e-3, spec.emb_width, dtype=F32)
+    out[spec.name] = t.astype(spec.dtype)
+  return out
+
+
+def make_batch():
+  rng = np.random.default_rng(1)
+  weights = rng.integers(0, 9, (BATCH, 4)).astype(F32) / 4  # 0 .. 2, exact
+  return {
+      # Negative ids wrap once, ids past the table clamp, 0 is padding.
+      "item": np.arange(-48, 48, 6, dtype=np.int32),
+      "history": rng.integers(-45, 45, (BATCH, 3)).astype(np.int32),
+      "g_sum": pe.Bag(rng.integers(0, 12, (BATCH, 4)).astype(np.int32),
+                      weights=weights),
+      "g_mean": pe.Bag(rng.integers(0, 12, (BATCH, 4)).astype(np.int32),
+                       lengths=rng.integers(0, 5, BATCH).astype(np.int32)),
+      "i_sqrtn": rng.integers(0, 6, (BATCH, 3)).astype(np.int32),
+      "tags": rng.integers(0, 10, (BATCH, 2)).astype(np.int32),
+  }
+
+
+def np_served_table(table, dtype):
+  """The f32 rows a serving copy of `table` reads back as."""
+  if dtype == "int8":
+    return quantize_test.np_dequantize(*quantize_test.np_quantize(table))
+  return np.asarray(table).astype(CASTS[dtype]).astype(F32)
+
+
+def np_rows(ids, vocab):
+  ids = np.asarray(ids, np.int64)
+  return np.clip(np.where(ids < 0, ids + vocab, ids), 0, vocab - 1)
+
+
+def np_combiner_weights(bag, combiner, padding_id):
+  if isinstance(bag, pe.Bag):
+    ids = np.asarray(bag.ids)
+    if bag.weights is not None:
+      w = np.asarray(bag.weights, F32)
+    else:
+      w = (np.arange(ids.shape[1])[None] < np.asarray(bag.lengths)[:, None]
+           ).astype(F32)
+  else:
+    ids = np.asarray(bag)
+    w = np.ones(ids.shape, F32)
+  if padding_id is not None:
+    w = np.where(ids == padding_id, F32(0), w)
+  if combiner == "sum":
+    return ids, w
+  total = (w.sum(1, keepdims=True, dtype=F32) if combiner == "mean" else
+           np.sqrt((w * w).sum(1, keepdims=True, dtype=F32)))
+  total = np.where(total != 0, total, F32(1))
+  return ids, np.where(w != 0, w / total, F32(0)).astype(F32)
+
+
+def np_lookup(host, batch, dtype):
+  """`{feature: embeddings}` of the serving copy, in float32 numpy."""
+  specs = {t.name: t for t in tables()}
+  out_dtype = F32 if dtype == "int8" else CASTS[dtype]
+  out = {}
+  for f in features():
+    spec = specs[f.table]
+    served = np_served_table(host[f.table], dtype)
+    if f.combiner is None:
+      out[f.name] = served[np_rows(batch[f.name], spec.vocab_rows)].astype(
+          out_dtype)
+      continue
+    ids, w = np_combiner_weights(batch[f.name], f.combiner, spec.padding_id)
+    rows = np_rows(ids, spec.vocab_rows)
+    acc = np.zeros((ids.shape[0], spec.emb_width), F32)
+    for k in range(ids.shape[1]):
+      acc = acc + w[:, k:k + 1] * served[rows[:, k]]
+    out[f.name] = acc.astype(out_dtype)
+  return out
+
+
+class ServingTest(parameterized.TestCase):
+
+  def state(self, coll):
+    return coll.state_from_arrays(host_tables())
+
+  @parameterized.named_parameters(
+      (f"_{dtype}_{backend}_{ranks}ranks", ranks, backend, dtype)
+      for ranks in (1, 8) for backend in ("xla", "interpret")
+      for dtype in ("int8", "bfloat16", "float16"))
+  def test_lookup_matches_numpy_model(self, ranks, backend, dtype):
+    coll = make_collection(ranks, backend)
+    serving = coll.quantize(self.state(coll), dtype)
+    self.assertIsInstance(serving, ServingState)
+    self.assertEqual((serving.dtype, serving.fingerprint),
+                     (dtype, coll.plan.fingerprint))
+    batch = make_batch()
+    got = coll.lookup(serving, batch)
+    want = np_lookup(host_tables(), batch, dtype)
+    self.assertEqual(sorted(got), sorted(want))
+    for name in want:
+      test_util.assert_bits_equal(self, got[name], want[name], name)
+
+  def test_int8_sequence_error_bound(self):
+    """|served - f32 lookup| <= scale / 2 + 16 u max(|min|, |max|)."""
+    coll = make_collection(8, "xla")
+    state = self.state(coll)
+    batch = make_batch()
+    served = coll.lookup(coll.quantize(state, "int8"), batch)
+    exact = coll.lookup(state, batch)
+    table = host_tables()["items"]
+    _, scale, _ = quantize_test.np_quantize(table)
+    bound = scale / 2 + 16 * U * np.abs(table).max(1)
+    for name in ("item", "history"):
+      rows = np_rows(batch[name], 40)
+      err = np.abs(np.asarray(served[name], np.float64) -
+                   np.asarray(exact[name], np.float64))
+      self.assertTrue(np.all(err <= bound[rows][..., None]), name)
+      # The bound is not vacuous: the int8 rows do differ from f32.
+      self.assertGreater(err.max(), 0, name)
+
+  def test_training_entry_points_refuse_a_serving_state(self):
+    coll = make_collection(8, "xla")
+    state = self.state(coll)
+    serving = coll.quantize(state, "int8")
+    batch = make_batch()
+    grads = coll.lookup(state, batch)
+    refused = "is a ServingState .* only coll.lookup reads"
+    with self.assertRaisesRegex(pe.InputError, refused):
+      coll.apply_gradients(serving, batch, grads)
+    with self.assertRaisesRegex(pe.InputError, refused):
+      coll.lookup_and_route(serving, batch)
+    with self.assertRaisesRegex(pe.InputError, refused):
+      coll.table_arrays(serving)
+    with self.assertRaisesRegex(pe.InputError, "not a serving dtype"):
+      coll.quantize(state, "int4")
+
+  def test_serving_state_checks(self):
+    coll = make_collection(8, "xla")
+    serving = coll.quantize(self.state(coll), "int8")
+    batch = make_batch()
+    other = pe.EmbeddingCollection(
+        tables()[:2], features()[:5], coll.mesh, "x", backend="xla")
+    with self.assertRaisesRegex(pe.InputError, "serving state has stacks"):
+      other.lookup(serving, batch)
+    foreign = ServingState(serving.stacks, "int8", "0123456789abcdef")
+    with self.assertRaisesRegex(pe.InputError, "made by another collection"):
+      coll.lookup(foreign, batch)
+    cast = coll.quantize(self.state(coll), "bfloat16")
+    mixed = ServingState(cast.stacks, "int8", coll.plan.fingerprint)
+    with self.assertRaisesRegex(pe.InputError, r"stack0 is None; the plan "
+                                r"and dtype 'int8' say"):
+      coll.lookup(mixed, batch)
+    short = dict(serving.stacks)
+    short["stack0"] = quantize.QuantizedRows(
+        *(x[:20] for x in serving.stacks["stack0"]))
+    with self.assertRaisesRegex(pe.InputError, r"\('uint8', \(20, 16\)\)"):
+      coll.lookup(ServingState(short, "int8", coll.plan.fingerprint), batch)
+
+  @parameterized.parameters("int8", "bfloat16")
+  def test_checkpoint_round_trip(self, dtype):
+    coll = make_collection(8, "xla")
+    serving = coll.quantize(self.state(coll), dtype)
+    directory = tempfile.mkdtemp(prefix="pallas_emb_serving_")
+    checkpoint.save(directory, serving, step=3)
+    # Restored onto another mesh (4 ranks) of the same tables.
+    coll4 = make_collection(4, "xla")
+    back = checkpoint.restore_serving(directory, coll4, dtype)
+    self.assertEqual((back.dtype, back.fingerprint),
+                     (dtype, coll4.plan.fingerprint))
+    batch = make_batch()
+    want = coll.lookup(serving, batch)
+    got = coll4.lookup(back, batch)
+    for name in want:
+      test_util.assert_bits_equal(self, got[name],
+                                  test_util.as_numpy(want[name]), name)
+    other = "bfloat16" if dtype == "int8" else "int8"
+    with self.assertRaisesRegex(pe.CheckpointError,
+                                "target tree does not match"):
+      checkpoint.restore_serving(directory, coll, other)
+
+
+# Runs in the fresh process: argv[1] the export, argv[2] the batch (.npz).
+LOADER = textwrap.dedent("""
+    import json, sys
+    import numpy as np
+    import pallas_emb
+    from pallas_emb import export
+    served = export.load(sys.argv[1])
+    with np.load(sys.argv[2]) as batch:
+      out = served({k: batch[k] for k in batch.files})
+    np.save(sys.argv[3], np.asarray(out))
+    loaded = sorted(m for m in sys.modules
+                    if m.split(".")[0] in ("flax", "optax", "orbax", "haiku"))
+    print(json.dumps(loaded))
+""")
+
+
+class ServingExportTest(absltest.TestCase):
+
+  def test_exported_scores_match_in_a_fresh_process(self):
+    opt = pe.Sgd(0.1)
+    coll = pe.EmbeddingCollection(
+        [pe.TableSpec("users", 30, 16, optimizer=opt),
+         pe.TableSpec("items", 50, 16, optimizer=opt)],
+        [pe.FeatureSpec("user", table="users"),
+         pe.FeatureSpec("item", table="items"),
+         pe.FeatureSpec("history", table="items", combiner="mean")],
+        test_util.mesh({"x": 8}), "x", backend="xla")
+    train = coll.init(jax.random.key(0))
+    state = {"emb": coll.quantize(train, "int8"),
+             "w": jax.random.normal(jax.random.key(1), (16, 16))}
+
+    def score(state, batch):
+      emb = coll.lookup(state["emb"], batch)
+      user = jnp.tanh((emb["user"] + emb["history"]) @ state["w"])
+      return jnp.sum(user * emb["item"], axis=-1)
+
+    rng = np.random.default_rng(2)
+    batch = {"user": rng.integers(0, 30, 32).astype(np.int32),
+             "item": rng.integers(0, 50, 32).astype(np.int32),
+             "history": rng.integers(0, 50, (32, 5)).astype(np.int32)}
+    want = np.asarray(jax.jit(score)(state, batch))
+    directory = tempfile.mkdtemp(prefix="pallas_emb_serving_export_")
+    export.save(os.path.join(directory, "fn"), score, state, [(batch,)])
+    np.savez(os.path.join(directory, "batch.npz"), **batch)
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(
+        p for p in (test_util.ROOT, env.get("PYTHONPATH")) if p)
+    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+    env["JAX_PLATFORMS"] = "cpu"
+    out = os.path.join(directory, "scores.npy")
+    proc = subprocess.run(
+        [sys.executable, "-c", LOADER, os.path.join(directory, "fn"),
+         os.path.join(directory, "batch.npz"), out], env=env,
+        capture_output=True, text=True, timeout=300, check=False)
+    self.assertEqual(proc.returncode, 0, proc.stderr[-5000:])
+    self.assertEqual(json.loads(proc.stdout.strip().splitlines()[-1]), [])
+    test_util.assert_bits_equal(self, np.load(out), want)
+
+
+class ServeProgramTest(absltest.TestCase):
+
+  def test_tiny_config(self):
+    """examples.serve on the tiny synthetic config, 10 steps: the fresh
+    process scores the test split with every table dtype."""
+    directory = tempfile.mkdtemp(prefix="pallas_emb_serve_program_")
+    out = os.path.join(directory, "serve.json")
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(
+        p for p in (test_util.ROOT, env.get("PYTHONPATH")) if p)
+    env.pop("XLA_FLAGS", None)  # The program simulates its 8 devices.
+    proc = subprocess.run(
+        [sys.executable, "-m", "examples.serve", "--config=configs/tiny.py",
+         "--num_steps=10", f"--export_dir={directory}/export",
+         f"--serve_out={out}"], cwd=test_util.ROOT, env=env,
+        capture_output=True, text=True, timeout=300, check=False)
+    self.assertEqual(proc.returncode, 0, proc.stderr[-5000:])
+    with open(out) as f:
+      figures = json.load(f)
+    rmse = figures["test_rmse"]
+    # The exported f32 scorer is the trained model (up to f32 sums).
+    self.assertAlmostEqual(rmse["float32"], figures["trained_test_rmse"],
+                           delta=1e-5)
+    for dtype in ("bfloat16", "int8"):
+      self.assertAlmostEqual(rmse[dtype], rmse["float32"], delta=0.01)
+    # 501 user and 301 item rows of width 16 (configs/tiny.py).
+    rows, width = 501 + 301, 16
+    self.assertEqual(figures["table_bytes"],
+                     {"float32": rows * width * 4, "bfloat16": rows * width * 2,
+                      "int8": rows * width + rows * 8})
+    self.assertIn("served test RMSE (fresh process", proc.stdout)
+
+
+if __name__ == "__main__":
+  absltest.main()
