@@ -148,7 +148,7 @@ def pool_dequantized(codes, scale, bias, rows, weights, bag_starts, *,
   `pool_rows`, accumulated and returned in f32)."""
   if not _pallas(backend):
     return xla.pool_dequantized(codes, scale, bias, rows, weights,
-                                      bag_starts, max_len=max_len)
+                                bag_starts, max_len=max_len)
   from pallas_emb.kernels import quantized_gather  # pylint: disable=g-import-not-at-top
   return quantized_gather.pool_dequantized(
       codes, scale, bias, rows, weights, bag_starts, max_len=max_len,
