@@ -41,6 +41,7 @@ from pallas_emb import per_rank
 from pallas_emb import plan as plan_lib
 from pallas_emb import quantize as quantize_lib
 from pallas_emb import stack as stack_lib
+from pallas_emb import state as state_lib
 from pallas_emb import update as update_lib
 from pallas_emb import validation
 from pallas_emb.errors import InputError
@@ -217,7 +218,7 @@ class EmbeddingCollection:
 
   def table_arrays(self, state: CollectionState) -> dict[str, jax.Array]:
     """`{table name: [vocab_rows, emb_width]}`, column-sharded."""
-    _check_state(self, state)
+    state_lib.check_state(self.plan, state)
     out = {}
     for name in self.tables:
       stack, i = self.plan.stack_of(name)
@@ -228,7 +229,7 @@ class EmbeddingCollection:
 
   def optimizer_arrays(self, state: CollectionState) -> dict[str, Any]:
     """`{table name: optimizer state of its rows}`."""
-    _check_state(self, state)
+    state_lib.check_state(self.plan, state)
     out = {}
     for name in self.tables:
       stack, i = self.plan.stack_of(name)
@@ -252,7 +253,7 @@ class EmbeddingCollection:
     `apply_gradients` and the Trainer refuse it. A table with a non-finite
     row cannot be quantized to int8 (InputError).
     """
-    _check_state(self, state)
+    state_lib.check_state(self.plan, state)
     name = quantize_lib.check_serving_dtype(dtype)
     return ServingState(
         {s.name: quantize_lib.quantize_rows(state.stacks[s.name].table, name)
@@ -297,13 +298,13 @@ class EmbeddingCollection:
                  for name in self.features)
 
   def _tables(self, state: CollectionState) -> tuple[jax.Array, ...]:
-    _check_state(self, state)
+    state_lib.check_state(self.plan, state)
     return exchange.place_state(
         tuple(state.stacks[s.name].table for s in self.plan.stacks),
         self._table_specs(), self.mesh, "state table")
 
   def _stack_states(self, state: CollectionState):
-    _check_state(self, state)
+    state_lib.check_state(self.plan, state)
     specs = self._state_specs()
     return exchange.place_state(
         tuple(state.stacks[s.name] for s in self.plan.stacks),
@@ -339,7 +340,7 @@ class EmbeddingCollection:
   def _serve(self, state: ServingState, batch) -> dict[str, jax.Array]:
     """`lookup` of a serving state: the collection's per-rank lookup over
     the serving tables, without the differentiable wrapper."""
-    _check_serving(self, state)
+    state_lib.check_serving(self.plan, state)
     inputs = self._read(batch)
     layouts = self._layouts(inputs.shapes(), inputs.implicit)
     specs = self._serving_specs(state.dtype)
@@ -432,10 +433,10 @@ class EmbeddingCollection:
       `(state, {stack name: UpdateStats})`; check the stats with
       `raise_if_overflow` outside jit.
     """
-    _check_state(self, state)
+    state_lib.check_state(self.plan, state)
     routing = (batch_or_routing if isinstance(batch_or_routing, Routing)
                else self.route(batch_or_routing))
-    _check_routing(self, routing)
+    state_lib.check_routing(self.plan, self.features, routing)
     layouts = self._layouts(routing.shapes, routing.implicit_weights)
     grads = inputs_lib.read_grads(self, emb_grads, dict(routing.shapes))
     specs = self._state_specs()
@@ -531,91 +532,6 @@ def _check_names(mapping, expected, what) -> None:
     raise InputError(
         f"pallas_emb collection {what} has {sorted(mapping)}; expected "
         f"exactly the tables {sorted(expected)}.")
-
-
-def _check_state(coll: EmbeddingCollection, state) -> None:
-  if isinstance(state, ServingState):
-    raise InputError(
-        "pallas_emb collection state is a ServingState (the read-only "
-        "serving copy coll.quantize returns), which only coll.lookup "
-        "reads; expected the CollectionState that coll.init(key) returns "
-        "for training, routing and table access.")
-  if not isinstance(state, CollectionState):
-    raise InputError(
-        f"pallas_emb collection state is a {type(state).__name__}; expected "
-        "the CollectionState that coll.init(key) returns.")
-  _check_stack_names(coll, state.stacks, "state", (
-      " (a state of another collection? restore it through "
-      "table_arrays/state_from_arrays)."))
-  _check_fingerprint(coll, state.fingerprint, "state")
-  for stack in coll.plan.stacks:
-    table = state.stacks[stack.name].table
-    shape = (stack.total_rows, stack.emb_width)
-    if tuple(table.shape) != shape or np.dtype(table.dtype) != stack.dtype:
-      raise InputError(
-          f"pallas_emb collection state {stack.name} table is "
-          f"{np.dtype(table.dtype).name}{list(table.shape)}; the plan says "
-          f"{stack.dtype.name}{list(shape)}.")
-
-
-def _check_stack_names(coll: EmbeddingCollection, stacks, what: str,
-                       fix: str) -> None:
-  expected = sorted(s.name for s in coll.plan.stacks)
-  if sorted(stacks) != expected:
-    raise InputError(
-        f"pallas_emb collection {what} has stacks {sorted(stacks)}; this "
-        f"collection's plan has {expected}{fix}")
-
-
-def _check_serving(coll: EmbeddingCollection, state: ServingState) -> None:
-  """A serving state of this collection: its stacks, dtype and shapes."""
-  _check_stack_names(coll, state.stacks, "serving state", (
-      ". Pass the ServingState this collection's quantize returned."))
-  _check_fingerprint(coll, state.fingerprint, "serving state")
-  if state.dtype not in quantize_lib.SERVING_DTYPES:
-    raise InputError(
-        f"pallas_emb collection serving state dtype={state.dtype!r}; "
-        f"expected one of {quantize_lib.SERVING_DTYPES} (coll.quantize).")
-  for stack in coll.plan.stacks:
-    shape = (stack.total_rows, stack.emb_width)
-    rows = state.stacks[stack.name]
-    if state.dtype == quantize_lib.INT8:
-      want = quantize_lib.QuantizedRows(
-          ("uint8", shape), ("float32", shape[:1]), ("float32", shape[:1]))
-      got = (tuple((np.dtype(x.dtype).name, tuple(x.shape)) for x in rows)
-             if isinstance(rows, quantize_lib.QuantizedRows) else None)
-    else:
-      want = (state.dtype, shape)
-      got = (None if isinstance(rows, quantize_lib.QuantizedRows) else
-             (np.dtype(rows.dtype).name, tuple(rows.shape)))
-    if got != tuple(want):
-      raise InputError(
-          f"pallas_emb collection serving state {stack.name} is {got}; the "
-          f"plan and dtype {state.dtype!r} say {tuple(want)}. Pass the "
-          "ServingState this collection's quantize returned.")
-
-
-def _check_fingerprint(coll: EmbeddingCollection, fingerprint, what: str
-                       ) -> None:
-  if fingerprint is not None and fingerprint != coll.plan.fingerprint:
-    raise InputError(
-        f"pallas_emb collection {what} was made by another collection (plan "
-        f"fingerprint {fingerprint}; this collection's is "
-        f"{coll.plan.fingerprint}: other tables, order, shapes or "
-        f"optimizers). Use the {what} this collection returned; move a state "
-        "between collections through table_arrays / state_from_arrays.")
-
-
-def _check_routing(coll: EmbeddingCollection, routing: Routing) -> None:
-  _check_fingerprint(coll, routing.fingerprint, "routing")
-  _check_stack_names(coll, routing.stacks, "routing", (
-      ". Pass the routing this collection's lookup_and_route returned."))
-  names = sorted(name for name, _ in routing.shapes)
-  if names != sorted(coll.features):
-    raise InputError(
-        f"pallas_emb collection routing covers features {names}; this "
-        f"collection has {sorted(coll.features)}. Pass the routing this "
-        "collection's lookup_and_route returned.")
 
 
 def _concat_rows(arrays, sharding) -> jax.Array:

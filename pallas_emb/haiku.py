@@ -17,7 +17,7 @@ if __name__ == "haiku":
       "programs as modules instead: `python -m examples.train`.")
 
 
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import haiku as hk
 import jax

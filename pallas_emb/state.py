@@ -14,7 +14,10 @@ import functools
 from typing import Any, NamedTuple
 
 import jax
+import numpy as np
 
+from pallas_emb import quantize
+from pallas_emb.errors import InputError
 from pallas_emb.quantize import QuantizedRows
 from pallas_emb.stack import StackRouting
 
@@ -77,3 +80,88 @@ class ServingState:
   stacks: dict[str, QuantizedRows | jax.Array]
   dtype: str
   fingerprint: str | None = None
+
+
+def check_state(plan, state) -> None:
+  """A training state of `plan`'s collection: its stacks, dtypes, shapes."""
+  if isinstance(state, ServingState):
+    raise InputError(
+        "pallas_emb collection state is a ServingState (the read-only "
+        "serving copy coll.quantize returns), which only coll.lookup "
+        "reads; expected the CollectionState that coll.init(key) returns "
+        "for training, routing and table access.")
+  if not isinstance(state, CollectionState):
+    raise InputError(
+        f"pallas_emb collection state is a {type(state).__name__}; expected "
+        "the CollectionState that coll.init(key) returns.")
+  _check_stack_names(plan, state.stacks, "state", (
+      " (a state of another collection? restore it through "
+      "table_arrays/state_from_arrays)."))
+  _check_fingerprint(plan, state.fingerprint, "state")
+  for stack in plan.stacks:
+    table = state.stacks[stack.name].table
+    shape = (stack.total_rows, stack.emb_width)
+    if tuple(table.shape) != shape or np.dtype(table.dtype) != stack.dtype:
+      raise InputError(
+          f"pallas_emb collection state {stack.name} table is "
+          f"{np.dtype(table.dtype).name}{list(table.shape)}; the plan says "
+          f"{stack.dtype.name}{list(shape)}.")
+
+
+def _check_stack_names(plan, stacks, what: str, fix: str) -> None:
+  expected = sorted(s.name for s in plan.stacks)
+  if sorted(stacks) != expected:
+    raise InputError(
+        f"pallas_emb collection {what} has stacks {sorted(stacks)}; this "
+        f"collection's plan has {expected}{fix}")
+
+
+def check_serving(plan, state: ServingState) -> None:
+  """A serving state of this collection: its stacks, dtype and shapes."""
+  _check_stack_names(plan, state.stacks, "serving state", (
+      ". Pass the ServingState this collection's quantize returned."))
+  _check_fingerprint(plan, state.fingerprint, "serving state")
+  if state.dtype not in quantize.SERVING_DTYPES:
+    raise InputError(
+        f"pallas_emb collection serving state dtype={state.dtype!r}; "
+        f"expected one of {quantize.SERVING_DTYPES} (coll.quantize).")
+  for stack in plan.stacks:
+    shape = (stack.total_rows, stack.emb_width)
+    rows = state.stacks[stack.name]
+    if state.dtype == quantize.INT8:
+      want = quantize.QuantizedRows(
+          ("uint8", shape), ("float32", shape[:1]), ("float32", shape[:1]))
+      got = (tuple((np.dtype(x.dtype).name, tuple(x.shape)) for x in rows)
+             if isinstance(rows, quantize.QuantizedRows) else None)
+    else:
+      want = (state.dtype, shape)
+      got = (None if isinstance(rows, quantize.QuantizedRows) else
+             (np.dtype(rows.dtype).name, tuple(rows.shape)))
+    if got != tuple(want):
+      raise InputError(
+          f"pallas_emb collection serving state {stack.name} is {got}; the "
+          f"plan and dtype {state.dtype!r} say {tuple(want)}. Pass the "
+          "ServingState this collection's quantize returned.")
+
+
+def _check_fingerprint(plan, fingerprint, what: str) -> None:
+  if fingerprint is not None and fingerprint != plan.fingerprint:
+    raise InputError(
+        f"pallas_emb collection {what} was made by another collection (plan "
+        f"fingerprint {fingerprint}; this collection's is "
+        f"{plan.fingerprint}: other tables, order, shapes or "
+        f"optimizers). Use the {what} this collection returned; move a state "
+        "between collections through table_arrays / state_from_arrays.")
+
+
+def check_routing(plan, features, routing: Routing) -> None:
+  """A routing of `plan`'s collection, whose features are `features`."""
+  _check_fingerprint(plan, routing.fingerprint, "routing")
+  _check_stack_names(plan, routing.stacks, "routing", (
+      ". Pass the routing this collection's lookup_and_route returned."))
+  names = sorted(name for name, _ in routing.shapes)
+  if names != sorted(features):
+    raise InputError(
+        f"pallas_emb collection routing covers features {names}; this "
+        f"collection has {sorted(features)}. Pass the routing this "
+        "collection's lookup_and_route returned.")
