@@ -172,17 +172,11 @@ class Embed(nn.Module):
 
   def __call__(self, inputs: Array) -> Array:
     """`inputs.shape + (features,)` embeddings, sharded like the ids."""
-    if not hasattr(inputs, "dtype"):
-      inputs = jnp.asarray(inputs)
-    # numpy ids stay on the host until as_ids: jnp.asarray would wrap int64
-    # ids past int32 silently.
-    if not jnp.issubdtype(inputs.dtype, jnp.integer):
-      # nn.Embed's sentence (a ValueError too), then what and how.
-      raise InputError(
-          "Input type must be an integer or unsigned integer; "
-          "pallas_emb.flax.Embed got ids of dtype "
-          f"{jax.dtypes.canonicalize_dtype(inputs.dtype)}. Cast them with "
-          "ids.astype(jnp.int32).")
+    # nn.Embed's sentence (a ValueError too), then what and how.
+    inputs = validation.integer_ids(inputs, lambda dtype: (
+        "Input type must be an integer or unsigned integer; "
+        f"pallas_emb.flax.Embed got ids of dtype {dtype}. Cast them with "
+        "ids.astype(jnp.int32)."))
     supplied = _supplied(self)
     if supplied is not None:
       self.sow(CALLS, "padding_id", self.padding_id)

@@ -125,17 +125,11 @@ class Embed(hk.Module):
 
   def __call__(self, ids: Array | Sequence[int]) -> Array:
     """Looks up `ids.shape + (embed_dim,)` embeddings, sharded like the ids."""
-    if not hasattr(ids, "dtype"):
-      ids = jnp.asarray(ids)
-    # numpy ids go to as_ids as they are, to be range-checked there (with
-    # x64 off, jnp.asarray wraps an int64 id past int32).
-    if not jnp.issubdtype(ids.dtype, jnp.integer):
-      # hk.Embed's sentence (a ValueError too), then how to fix it.
-      raise InputError(
-          "pallas_emb.haiku.Embed's __call__ method must take an array of "
-          "integer dtype but was called with an array of "
-          f"{jax.dtypes.canonicalize_dtype(ids.dtype)}; cast "
-          "the ids with ids.astype(jnp.int32).")
+    # hk.Embed's sentence (a ValueError too), then how to fix it.
+    ids = validation.integer_ids(ids, lambda dtype: (
+        "pallas_emb.haiku.Embed's __call__ method must take an array of "
+        f"integer dtype but was called with an array of {dtype}; cast the "
+        "ids with ids.astype(jnp.int32)."))
     ids = validation.as_ids(ids, "haiku.Embed ids")
     # The layer's padding id (not the context's) gets no gradient.
     return lookup_with_padding(self.ctx, self.embeddings, ids,

@@ -292,6 +292,20 @@ def _jax_ids_to_int32(ids: jax.Array, what: str) -> jax.Array:
   return jnp.where(outside, _INT32.max, ids).astype(jnp.int32)
 
 
+def integer_ids(ids, message):
+  """`ids` as an array, or InputError(message(dtype)) unless it is integer.
+
+  The layers' own sentence for a float id array (as flax's and haiku's
+  Embed say it). numpy ids stay numpy, for `as_ids` to range-check:
+  `jnp.asarray` would wrap an int64 id past int32 silently.
+  """
+  if not hasattr(ids, "dtype"):
+    ids = jnp.asarray(ids)
+  if not jnp.issubdtype(ids.dtype, jnp.integer):
+    raise InputError(message(jax.dtypes.canonicalize_dtype(ids.dtype)))
+  return ids
+
+
 def as_ids(ids, what: str = "token_ids") -> jax.Array:
   """Any integer array-like (list, numpy, jax) as an int32 array.
 

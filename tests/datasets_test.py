@@ -1,6 +1,7 @@
 """Tests for pallas_emb.datasets: synthetic data, MovieLens loader, batching."""
 
 import os
+import site
 import subprocess
 import sys
 import tempfile
@@ -284,9 +285,9 @@ class DefaultSearchTest(absltest.TestCase):
     for d in (self.site_dir, self.home, self.cwd):
       os.makedirs(d)
     self.enter_context(mock.patch.object(sys, "path", [self.site_dir]))
-    self.enter_context(mock.patch.object(datasets.movielens.site, "getsitepackages",
+    self.enter_context(mock.patch.object(site, "getsitepackages",
                                          return_value=[]))
-    self.enter_context(mock.patch.object(datasets.movielens.site, "getusersitepackages",
+    self.enter_context(mock.patch.object(site, "getusersitepackages",
                                          return_value=self.site_dir))
     env = {k: v for k, v in os.environ.items() if k != "PALLAS_EMB_DATA_DIR"}
     env["HOME"] = self.home

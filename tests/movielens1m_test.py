@@ -3,6 +3,7 @@ leave-one-out, finding and downloading, and the real ML-1M counts."""
 
 import collections
 import os
+import site
 import subprocess
 import sys
 import zipfile
@@ -229,12 +230,11 @@ class DefaultSearchTest(absltest.TestCase):
     for d in (self.site_dir, self.home, self.cwd):
       os.makedirs(d)
     self.cache = os.path.join(self.home, ".cache", "pallas_emb")
-    movielens = datasets.movielens
     self.enter_context(mock.patch.object(sys, "path", [self.site_dir]))
-    self.enter_context(mock.patch.object(movielens.site, "getsitepackages",
+    self.enter_context(mock.patch.object(site, "getsitepackages",
                                          return_value=[]))
     self.enter_context(mock.patch.object(
-        movielens.site, "getusersitepackages", return_value=self.site_dir))
+        site, "getusersitepackages", return_value=self.site_dir))
     env = {k: v for k, v in os.environ.items() if k != "PALLAS_EMB_DATA_DIR"}
     env["HOME"] = self.home
     self.enter_context(mock.patch.dict(os.environ, env, clear=True))

