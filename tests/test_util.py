@@ -3,15 +3,42 @@
 Import this before jax in every test binary.
 """
 
+import atexit
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 
 _FLAG = "--xla_force_host_platform_device_count=8"
 if _FLAG not in os.environ.get("XLA_FLAGS", ""):
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " +
                              _FLAG).strip()
+
+CACHE_ENV = "JAX_COMPILATION_CACHE_DIR"
+
+
+def use_compilation_cache() -> None:
+  """Every program compiled once per test run.
+
+  Many tests compile the same programs (the same small collections and
+  configs, in several test processes and in the programs they start); JAX's
+  persistent cache, kept in a directory that lives as long as the run
+  (tests/conftest.py makes one shared by the pytest-xdist workers), turns
+  the repeats into reads. Cached executables are the compiler's own output,
+  so the tests run the same code. Set before jax is imported; the programs
+  the tests start inherit it.
+  """
+  if CACHE_ENV not in os.environ:  # a test file run on its own
+    directory = tempfile.mkdtemp(prefix="pallas_emb_jax_cache_")
+    atexit.register(shutil.rmtree, directory, ignore_errors=True)
+    os.environ[CACHE_ENV] = directory
+  os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+  os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+
+
+use_compilation_cache()
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from absl import flags  # pylint: disable=g-import-not-at-top
