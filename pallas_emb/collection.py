@@ -218,20 +218,20 @@ class EmbeddingCollection:
       if stack.placement == "column":
         table = _concat_rows(arrays, self.table_sharding())
       else:
-        table = jax.jit(lambda *a, s=stack: placement_lib.to_physical(s, a),
-                        out_shardings=self.stack_sharding(stack))(*arrays)
+        table = placement_lib.jitted(placement_lib.to_physical, stack,
+                                     self.stack_sharding(stack))(arrays)
       if opt_states is None or stack.optimizer is None:
         opt_state = self._fresh_opt_state(stack)
       elif stack.placement == "column":
         opt_state = stack.optimizer.concat_rows(
             [opt_states[n] for n in stack.tables])
       else:
-        specs = placement_lib.state_specs(stack, self.table_axis)
-        opt_state = jax.jit(
-            lambda *a, s=stack: placement_lib.state_to_physical(s, a),
-            out_shardings=jax.tree.map(
-                lambda p: NamedSharding(self.mesh, p), specs))(
-                    *[opt_states[n] for n in stack.tables])
+        shardings = jax.tree.map(
+            lambda p: NamedSharding(self.mesh, p),
+            placement_lib.state_specs(stack, self.table_axis))
+        opt_state = placement_lib.jitted(
+            placement_lib.state_to_physical, stack, shardings)(
+                [opt_states[n] for n in stack.tables])
       stacks[stack.name] = StackState(table, opt_state)
     return CollectionState(stacks, self.plan.fingerprint)
 
@@ -244,8 +244,8 @@ class EmbeddingCollection:
       if stack.placement == "column":
         parts = placement_lib.from_physical(stack, table)
       else:
-        parts = jax.jit(lambda x, s=stack: placement_lib.from_physical(s, x),
-                        out_shardings=NamedSharding(self.mesh, P()))(table)
+        parts = placement_lib.jitted(placement_lib.from_physical, stack,
+                                     NamedSharding(self.mesh, P()))(table)
       out.update(zip(stack.tables, parts))
     return {name: out[name] for name in self.tables}
 
@@ -261,9 +261,9 @@ class EmbeddingCollection:
         parts = [stack.optimizer.slice_rows(opt_state, start, start + rows)
                  for start, rows in zip(stack.row_offsets, stack.vocab_rows)]
       else:
-        parts = jax.jit(
-            lambda x, s=stack: placement_lib.state_from_physical(s, x),
-            out_shardings=NamedSharding(self.mesh, P()))(opt_state)
+        parts = placement_lib.jitted(placement_lib.state_from_physical,
+                                     stack, NamedSharding(self.mesh, P()))(
+                                         opt_state)
       out.update(zip(stack.tables, parts))
     return {name: out[name] for name in self.tables}
 

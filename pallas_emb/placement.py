@@ -8,6 +8,7 @@ only logical tables, so a state moves between placements through them.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Sequence
 
 import jax
@@ -120,3 +121,10 @@ def state_from_physical(stack: StackPlan, state) -> list[Any]:
               for name in names}
   return [opt._state({name: per_slot[name][i] for name in names},  # pylint: disable=protected-access
                      state.step) for i in range(len(stack.tables))]
+
+
+@functools.lru_cache(maxsize=256)
+def jitted(fn, stack: StackPlan, out_shardings):
+  """`fn(stack, x)` (one of the conversions above) jitted onto
+  `out_shardings`, compiled once per stack."""
+  return jax.jit(functools.partial(fn, stack), out_shardings=out_shardings)

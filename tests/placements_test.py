@@ -1,0 +1,261 @@
+"""Row, table and replicated placements against the numpy model.
+
+The model (numpy_model.py) knows nothing of placements, stacks or ranks:
+every feature looks its ids up in its own logical table, and an update
+step is, per table, the optimizer on the summed gradients of every entry
+that trains (a pooled entry's gradient is its bag's times its combiner
+weight). Owners sum a row's pieces in sender order, not in entry order, so
+f32 tables after updates compare with the tolerance of reordered sums;
+lookups of the current tables compare exactly.
+"""
+
+import os
+import tempfile
+
+import test_util
+
+from absl import logging
+from absl.testing import absltest
+from absl.testing import parameterized
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import numpy_model
+import pallas_emb as pe
+from pallas_emb import checkpoint
+from pallas_emb.testing import hlo
+
+PLACEMENTS = ("column", "row", "table", "replicated")
+
+
+def edge_ids(rng, shape, vocab):
+  """Zipf-ish ids (duplicates within and across ranks) with the padding
+  candidates 0 and 3, -1, -vocab (wrapped), past the end and int32
+  extremes (clamped, never trained)."""
+  n = int(np.prod(shape))
+  ids = (np.minimum(rng.zipf(1.3, n), vocab + 3) - 1) * rng.choice([-1, 1], n)
+  edges = [0, -1, vocab - 1, vocab, -vocab, -vocab - 1, 2**31 - 1, -2**31]
+  k = min(len(edges), n // 3)
+  ids[rng.choice(n, k, replace=False)] = edges[:k]
+  return ids.reshape(shape).astype(np.int32)
+
+
+def random_collection(seed, ranks):
+  """2-5 tables of every placement (widths 4-128, f32 / bf16, row-wise
+  Adagrad or SGD, padding or not), sequence, pooled and weighted features."""
+  rng = np.random.default_rng(seed)
+  mesh = test_util.mesh({"x": ranks})
+  opts = [pe.RowwiseAdagrad(0.1), pe.Sgd(0.05)]
+  tables, features, shapes = [], [], {}
+  batch_size = ranks * int(rng.integers(1, 3))
+  for t in range(int(rng.integers(2, 6))):
+    placement = PLACEMENTS[(seed + t) % 4]
+    widths = [w for w in (4, 8, 16, 32, 64, 128)
+              if placement != "column" or w % ranks == 0]
+    tables.append(pe.TableSpec(
+        f"t{t}", int(rng.integers(5, 50)),
+        int(rng.choice(widths[:3])) if rng.random() < 0.8
+        else int(rng.choice(widths)),
+        optimizer=opts[int(rng.integers(2))],
+        dtype=[jnp.float32, jnp.bfloat16][int(rng.integers(2))],
+        padding_id=[None, 0, 3][int(rng.integers(3))], placement=placement))
+    for f in range(int(rng.integers(1, 3))):
+      kind = int(rng.integers(3))
+      combiner = None if kind == 0 else ["sum", "mean", "sqrtn"][
+          int(rng.integers(3))]
+      name = f"t{t}_f{f}"
+      features.append(pe.FeatureSpec(name, f"t{t}", combiner=combiner,
+                                     weighted=kind == 2))
+      shapes[name] = ((batch_size,) if kind == 0 and rng.random() < 0.5
+                      else (batch_size, int(rng.integers(1, 4))))
+  coll = pe.EmbeddingCollection(tables, features, mesh, "x", backend="xla")
+  return coll, shapes, rng
+
+
+def random_batch(coll, shapes, rng):
+  """`(batch, {feature: (ids, weights or None)})`."""
+  batch, raw = {}, {}
+  for f in coll.features.values():
+    ids = edge_ids(rng, shapes[f.name], coll.tables[f.table].vocab_rows)
+    weights = None
+    if f.weighted:
+      weights = rng.choice(np.float32([0, 0.5, 1, 2]), ids.shape)
+      batch[f.name] = pe.Bag(ids, weights=weights)
+    else:
+      batch[f.name] = ids
+    raw[f.name] = (ids, weights)
+  return batch, raw
+
+
+class Model:
+  """Per logical table, the numpy optimizer fed by all of its features."""
+
+  def __init__(self, coll, arrays):
+    self.coll = coll
+    self.models = {}
+    for name, table in arrays.items():
+      opt = coll.tables[name].optimizer
+      cls = (numpy_model.Sgd if isinstance(opt, pe.Sgd)
+             else numpy_model.Adagrad)
+      self.models[name] = cls(np.asarray(table), opt.learning_rate)
+
+  def _cw(self, f, ids, weights):
+    spec = self.coll.tables[f.table]
+    w = np.ones(ids.shape, np.float32) if weights is None else weights
+    return numpy_model.combiner_weights(ids, w, f.combiner, spec.padding_id)
+
+  def lookup(self, raw):
+    out = {}
+    for f in self.coll.features.values():
+      ids, weights = raw[f.name]
+      table = self.models[f.table].table
+      if f.combiner is None:
+        out[f.name] = table[numpy_model.wrap_clamp(ids, table.shape[0])]
+      else:
+        out[f.name] = numpy_model.pool(table, ids,
+                                       self._cw(f, ids, weights))
+    return out
+
+  def step(self, raw, grads):
+    for name, model in self.models.items():
+      spec = self.coll.tables[name]
+      all_ids, all_grads = [], []
+      for f in self.coll.features.values():
+        if f.table != name:
+          continue
+        ids, weights = raw[f.name]
+        g = np.asarray(grads[f.name], np.float32)
+        if f.combiner is None:
+          all_ids.append(ids.reshape(-1))
+          all_grads.append(g.reshape(-1, g.shape[-1]))
+          continue
+        cw = self._cw(f, ids, weights)
+        # A weight-0 entry does not train: an id outside every table.
+        all_ids.append(np.where(cw != 0, ids, 2**30).reshape(-1))
+        all_grads.append((g[:, None, :] * cw[:, :, None]).reshape(
+            -1, g.shape[-1]))
+      ids = np.concatenate(all_ids)
+      model.step(ids, np.concatenate(all_grads), ids.size + 1,
+                 padding_id=spec.padding_id)
+
+
+def assert_tables_close(got, want, msg):
+  got = test_util.as_numpy(got).astype(np.float32)
+  if want.dtype == np.float32:
+    np.testing.assert_allclose(got, want, rtol=2e-6, atol=2e-6, err_msg=msg)
+  else:  # f32 sums in another order: at most one bf16 rounding apart
+    np.testing.assert_allclose(got, want.astype(np.float32), rtol=2**-7,
+                               atol=1e-6, err_msg=msg)
+
+
+def assert_replicas_identical(test, coll, state):
+  """Every device's copy of a replicated stack (and its state) is the
+  same, bit for bit."""
+  for stack in coll.plan.stacks:
+    if stack.placement != "replicated":
+      continue
+    for leaf in jax.tree.leaves(state.stacks[stack.name]):
+      shards = [np.asarray(s.data) for s in leaf.addressable_shards]
+      test.assertLen(shards, coll.group_size)
+      for i, shard in enumerate(shards[1:], 1):
+        np.testing.assert_array_equal(
+            shard.reshape(-1).view(np.uint8),
+            shards[0].reshape(-1).view(np.uint8),
+            err_msg=f"{stack.name} replica {i}")
+
+
+class SpecTest(absltest.TestCase):
+
+  def test_bad_placements_raise(self):
+    opt = pe.Sgd(0.1)
+    for kw, match in (
+        (dict(placement="rows"), r"placement='rows' is not a placement"),
+        (dict(placement="row", rank=1), r"rank=1 is given for placement"),
+        (dict(rank=0), r"rank=0 is given for placement='column'"),
+        (dict(placement="table", rank=-1), r"rank=-1; expected an int"),
+        (dict(max_ids_per_partition=4),
+         r"only 'row' and 'table' placements"),
+        (dict(placement="row", max_ids_per_partition=0),
+         r"max_ids_per_partition=0 must be a positive"),
+    ):
+      with self.subTest(kw=kw):
+        with self.assertRaisesRegex(pe.InputError,
+                                    "^pallas_emb TableSpec 't' .*" + match):
+          pe.TableSpec("t", 10, 8, optimizer=opt, **kw)
+    tables = [pe.TableSpec("t", 10, 8, optimizer=opt, placement="table",
+                           rank=4)]
+    with self.assertRaisesRegex(pe.InputError,
+                                r"rank=4 is outside the 4-rank"):
+      pe.EmbeddingCollection(tables, [pe.FeatureSpec("f", "t")],
+                             test_util.mesh({"x": 4}), "x")
+
+  def test_stacks_group_by_placement(self):
+    opt = pe.Sgd(0.1)
+    tables = [pe.TableSpec(n, 10 + i, 8, optimizer=opt, placement=p)
+              for i, (n, p) in enumerate([("a", "column"), ("b", "row"),
+                                          ("c", "column"), ("d", "table"),
+                                          ("e", "table"),
+                                          ("f", "replicated")])]
+    feats = [pe.FeatureSpec(t.name, t.name) for t in tables]
+    coll = pe.EmbeddingCollection(tables, feats, test_util.mesh({"x": 4}),
+                                  "x")
+    self.assertEqual(
+        [(s.placement, s.tables) for s in coll.plan.stacks],
+        [("column", ("a", "c")), ("row", ("b",)), ("table", ("e", "d")),
+         ("replicated", ("f",))])
+    # The larger e (14 rows) on rank 0, d (13) on rank 1, in row order;
+    # every block as long as the longest.
+    table_stack = coll.plan.stacks[2]
+    self.assertEqual(table_stack.block_rows, 14)
+    self.assertEqual(table_stack.row_offsets, (0, 14))
+    self.assertEqual(table_stack.total_rows, 56)
+    # A width that does not split over the ranks is fine off column.
+    pe.TableSpec("narrow", 10, 2, optimizer=opt, placement="row")
+    other = pe.EmbeddingCollection(
+        [pe.TableSpec(t.name, t.vocab_rows, 8, optimizer=opt)
+         for t in tables], feats, test_util.mesh({"x": 4}), "x")
+    self.assertNotEqual(coll.plan.fingerprint, other.plan.fingerprint)
+
+
+class PlacementModelTest(parameterized.TestCase):
+
+  @parameterized.parameters(1, 2, 4, 8)
+  def test_random_collections(self, ranks):
+    """Lookups and three update steps of random mixed collections."""
+    for seed in (ranks, 10 + ranks):
+      coll, shapes, rng = random_collection(seed, ranks)
+      logging.info("placements seed %d:\n%s", seed, coll.plan.describe())
+      with self.subTest(seed=seed):
+        self._check(coll, shapes, rng, f"seed {seed}\n{coll.plan}")
+
+  def _check(self, coll, shapes, rng, msg):
+    state = coll.init(jax.random.key(0))
+    model = Model(coll, {k: test_util.as_numpy(v)
+                         for k, v in coll.table_arrays(state).items()})
+    for step in range(3):
+      batch, raw = random_batch(coll, shapes, rng)
+      emb, routing = coll.lookup_and_route(state, batch)
+      current = Model(coll, {k: test_util.as_numpy(v)
+                             for k, v in coll.table_arrays(state).items()})
+      want = current.lookup(raw)
+      for name, got in emb.items():
+        # Exact (an empty bag may pool to -0.0 on every placement).
+        np.testing.assert_array_equal(
+            test_util.as_numpy(got).astype(np.float32),
+            np.asarray(want[name]).astype(np.float32),
+            err_msg=f"{msg}\nstep {step} lookup {name}")
+      grads = {name: rng.standard_normal(e.shape).astype(e.dtype)
+               for name, e in emb.items()}
+      model.step(raw, grads)
+      state, stats = coll.apply_gradients(state, routing, grads)
+      for stack_stats in stats.values():
+        self.assertEqual(int(stack_stats.valid), 1, msg)
+        self.assertEqual(int(stack_stats.num_overflow), 0, msg)
+    for name, table in coll.table_arrays(state).items():
+      assert_tables_close(table, model.models[name].table, f"{msg}\n{name}")
+    assert_replicas_identical(self, coll, state)
+
+
+if __name__ == "__main__":
+  absltest.main()
