@@ -523,24 +523,48 @@ class EmbeddingCollection:
     over. A later batch with more distinct rows than a cap loses those
     rows' gradients and says so: check the stats with `raise_if_overflow`.
     """
+    return self._fit("max_unique", self.distinct_rows, batches, headroom,
+                     ("column", "replicated"))
+
+  def fit_max_ids_per_partition(self, batches, *, headroom: float = 1.25
+                                ) -> EmbeddingCollection:
+    """`fit_max_unique` for row- and table-placed tables: each one's
+    `max_ids_per_partition` fit to `headroom` x the most distinct rows of
+    the table one rank sent one owner in one of `batches` (a multiple of
+    8; a smaller cap stays).
+
+    Without caps each rank's bucket per owner holds all of its ids, so
+    every owner receives W x a rank's ids, the work of column's
+    all-gather; on well-spread ids a fitted cap is about headroom / W of
+    that. A later batch over a cap serves those rows as zeros and does not
+    train them: check the stats with `raise_if_overflow`."""
+    return self._fit("max_ids_per_partition",
+                     lambda b: row_lib.ids_per_partition(self, b), batches,
+                     headroom, ("row", "table"))
+
+  def _fit(self, field, count, batches, headroom, placements):
+    """This collection with `field` of the tables of `placements` set to
+    headroom x the most `count(batch)[table]` over `batches`."""
     if (not isinstance(headroom, numbers.Real) or isinstance(headroom, bool)
         or not (np.isfinite(headroom) and headroom >= 1)):
-      raise InputError(f"pallas_emb fit_max_unique headroom={headroom!r}; "
+      raise InputError(f"pallas_emb fit_{field} headroom={headroom!r}; "
                        "expected a finite number >= 1.")
     batches = list(batches)
     if not batches:
-      raise InputError("pallas_emb fit_max_unique got no batches; give at "
+      raise InputError(f"pallas_emb fit_{field} got no batches; give at "
                        "least one sample batch of the stream.")
     most = {name: 0 for name in self.tables}
     for batch in batches:
-      for name, count in self.distinct_rows(batch).items():
-        most[name] = max(most[name], count)
+      for name, n in count(batch).items():
+        most[name] = max(most[name], n)
     tables = []
     for name, spec in self.tables.items():
-      cap = 8 * max(1, math.ceil(headroom * most[name] / 8))
-      if spec.max_unique is not None:
-        cap = min(cap, spec.max_unique)
-      tables.append(dataclasses.replace(spec, max_unique=cap))
+      if spec.placement in placements:
+        cap = 8 * max(1, math.ceil(headroom * most[name] / 8))
+        if getattr(spec, field) is not None:
+          cap = min(cap, getattr(spec, field))
+        spec = dataclasses.replace(spec, **{field: cap})
+      tables.append(spec)
     return type(self)(
         tables, tuple(self.features.values()), self.mesh, self.table_axis,
         data_axis=self.data_axis, replica_axis=self.replica_axis,
@@ -549,17 +573,22 @@ class EmbeddingCollection:
   def raise_if_overflow(self, stats: Mapping[str, update_lib.UpdateStats]
                         ) -> None:
     """Host-side: raises if a table's batch had more distinct rows than its
-    `TableSpec.max_unique` (the only way a unique buffer overflows)."""
+    `TableSpec.max_unique` (or, row and table placements, more for one
+    owner than `max_ids_per_partition`): the only ways a buffer
+    overflows."""
     for stack in self.plan.stacks:
       overflow = int(jax.device_get(stats[stack.name].num_overflow))
       if overflow:
+        field = ("max_ids_per_partition" if stack.placement in ("row", "table")
+                 else "max_unique")
         capped = [t for t in stack.tables
-                  if self.tables[t].max_unique is not None]
+                  if getattr(self.tables[t], field) is not None]
         raise UniqueOverflowError(
             f"pallas_emb {stack.name}: tables {capped} had {overflow} more "
-            "distinct ids in one batch than their max_unique caps hold; "
-            "those ids' gradients were not applied. Raise or drop "
-            "max_unique of these tables (fit_max_unique with more headroom).")
+            f"distinct ids in one batch than their {field} caps hold; "
+            "those ids' gradients were not applied (row and table "
+            f"placements also served them as zeros). Raise or drop {field} "
+            f"of these tables (fit_{field} with more headroom).")
 
 
 def _check_names(mapping, expected, what) -> None:

@@ -226,3 +226,34 @@ def dense_grad_stack(layout: StackLayout, table, ids, weights, cotangents):
   dense = jnp.zeros(table.shape, jnp.float32).at[
       jnp.where(trains, received, table.shape[0])].add(sums, mode="drop")
   return dense.astype(table.dtype)
+
+
+def ids_per_partition(coll, batch) -> dict[str, int]:
+  """Host-side: `{row- or table-placed table: the most distinct rows of it
+  that one rank sends one owner in this batch}` (every row an entry reads
+  takes a bucket slot, trained or not). Reads the ids back."""
+  inputs = coll._read(batch)  # pylint: disable=protected-access
+  pairs = {}
+  for layout in coll.layouts(batch):
+    if layout.placement not in ("row", "table"):
+      continue
+    w = layout.ctx.group_size
+    for f in layout.features:
+      keys = np.asarray(jax.device_get(stack.entry_keys(
+          f, inputs.ids[f.name], inputs.weights.get(f.name))))
+      rows = np.where(keys < 0, ~keys, keys).astype(np.int64).reshape(
+          w, -1)  # per rank
+      owners = (rows // layout.block_rows if layout.placement == "table"
+                else rows % w)
+      per_rank = pairs.setdefault(coll.features[f.name].table,
+                                  [[] for _ in range(w)])
+      for r in range(w):
+        per_rank[r].append(rows[r] + owners[r] * 2**32)
+  out = {}
+  for table, per_rank in pairs.items():
+    most = 0
+    for parts in per_rank:  # distinct (owner, row) pairs, the most per owner
+      pair = np.unique(np.concatenate(parts))
+      most = max(most, int(np.bincount(pair >> 32).max()))
+    out[table] = most
+  return out

@@ -127,6 +127,11 @@ class TableSpec:
           or isinstance(self.rank, bool) or self.rank < 0):
         raise InputError(f"pallas_emb {what} rank={self.rank!r}; expected "
                          "an int >= 0 (a rank of the communicator).")
+    if self.max_unique is not None and self.placement in ("row", "table"):
+      raise InputError(
+          f"pallas_emb {what} max_unique is given for placement="
+          f"{self.placement!r}, whose owners size their buffers by "
+          "max_ids_per_partition instead; give that cap.")
     if self.max_ids_per_partition is not None:
       if self.placement not in ("row", "table"):
         raise InputError(

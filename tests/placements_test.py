@@ -9,6 +9,7 @@ f32 tables after updates compare with the tolerance of reordered sums;
 lookups of the current tables compare exactly.
 """
 
+import dataclasses
 import os
 import tempfile
 
@@ -24,6 +25,7 @@ import numpy as np
 import numpy_model
 import pallas_emb as pe
 from pallas_emb import checkpoint
+from pallas_emb import row
 from pallas_emb.testing import hlo
 
 PLACEMENTS = ("column", "row", "table", "replicated")
@@ -42,14 +44,14 @@ def edge_ids(rng, shape, vocab):
 
 
 def random_collection(seed, ranks):
-  """2-5 tables of every placement (widths 4-128, f32 / bf16, row-wise
+  """3-5 tables of every placement (widths 4-128, f32 / bf16, row-wise
   Adagrad or SGD, padding or not), sequence, pooled and weighted features."""
   rng = np.random.default_rng(seed)
   mesh = test_util.mesh({"x": ranks})
   opts = [pe.RowwiseAdagrad(0.1), pe.Sgd(0.05)]
   tables, features, shapes = [], [], {}
   batch_size = ranks * int(rng.integers(1, 3))
-  for t in range(int(rng.integers(2, 6))):
+  for t in range(int(rng.integers(3, 6))):
     placement = PLACEMENTS[(seed + t) % 4]
     widths = [w for w in (4, 8, 16, 32, 64, 128)
               if placement != "column" or w % ranks == 0]
@@ -223,7 +225,7 @@ class PlacementModelTest(parameterized.TestCase):
   @parameterized.parameters(1, 2, 4, 8)
   def test_random_collections(self, ranks):
     """Lookups and three update steps of random mixed collections."""
-    for seed in (ranks, 10 + ranks):
+    for seed in (ranks,):
       coll, shapes, rng = random_collection(seed, ranks)
       logging.info("placements seed %d:\n%s", seed, coll.plan.describe())
       with self.subTest(seed=seed):
@@ -259,3 +261,47 @@ class PlacementModelTest(parameterized.TestCase):
 
 if __name__ == "__main__":
   absltest.main()
+
+
+class OverflowTest(absltest.TestCase):
+
+  def test_capped_buckets_overflow_loudly(self):
+    """Rank 0 sends owner 0 three distinct rows (0, 2, 4) through a
+    bucket of one: 2 and 4 are served as zeros, never trained, counted,
+    and raise_if_overflow raises; the fitted cap holds them all."""
+    mesh = test_util.mesh({"x": 2})
+    spec = pe.TableSpec("t", 10, 8, optimizer=pe.Sgd(1.0), placement="row",
+                        max_ids_per_partition=1)
+    coll = pe.EmbeddingCollection([spec], [pe.FeatureSpec("f", "t")], mesh,
+                                  "x")
+    batch = {"f": np.array([0, 2, 4, 5, 0, 0], np.int32)}  # rank 0 | rank 1
+    state = coll.init(jax.random.key(0))
+    before = test_util.as_numpy(coll.table_arrays(state)["t"])
+    emb, routing = coll.lookup_and_route(state, batch)
+    got = test_util.as_numpy(emb["f"])
+    np.testing.assert_array_equal(got[[0, 4, 5]], before[[0, 0, 0]])
+    np.testing.assert_array_equal(got[[1, 2]], np.zeros((2, 8)))
+    np.testing.assert_array_equal(got[3], before[5])
+    grads = {"f": np.ones((6, 8), np.float32)}
+    state, stats = coll.apply_gradients(state, routing, grads)
+    self.assertEqual(int(stats["stack0"].num_overflow), 2)
+    with self.assertRaisesRegex(pe.UniqueOverflowError,
+                                r"tables \['t'\] had 2 more distinct ids.*"
+                                r"max_ids_per_partition"):
+      coll.raise_if_overflow(stats)
+    after = test_util.as_numpy(coll.table_arrays(state)["t"])
+    np.testing.assert_array_equal(after[[2, 4]], before[[2, 4]])
+    np.testing.assert_array_equal(after[0], before[0] - 3)  # three entries
+    np.testing.assert_array_equal(after[5], before[5] - 1)
+
+    fitted = coll.fit_max_ids_per_partition([batch])
+    self.assertEqual(fitted.tables["t"].max_ids_per_partition, 1)  # kept
+    uncapped = pe.EmbeddingCollection(
+        [dataclasses.replace(spec, max_ids_per_partition=None)],
+        [pe.FeatureSpec("f", "t")], mesh, "x")
+    self.assertEqual(row.ids_per_partition(uncapped, batch), {"t": 3})
+    fitted = uncapped.fit_max_ids_per_partition([batch], headroom=3)
+    self.assertEqual(fitted.tables["t"].max_ids_per_partition, 16)
+    _, stats = fitted.apply_gradients(fitted.init(jax.random.key(0)), batch,
+                                      grads)
+    self.assertEqual(int(stats["stack0"].num_overflow), 0)
