@@ -305,3 +305,108 @@ class OverflowTest(absltest.TestCase):
     _, stats = fitted.apply_gradients(fitted.init(jax.random.key(0)), batch,
                                       grads)
     self.assertEqual(int(stats["stack0"].num_overflow), 0)
+
+
+def small_collection(placements, ranks=4):
+  """Three tables (two widths, Adagrad and SGD) with the given placements,
+  a sequence and a pooled feature."""
+  mesh = test_util.mesh({"x": ranks})
+  specs = [("a", 30, 8, pe.RowwiseAdagrad(0.1)), ("b", 13, 8,
+                                                   pe.RowwiseAdagrad(0.1)),
+           ("c", 9, 16, pe.Sgd(0.2))]
+  tables = [pe.TableSpec(n, rows, width, optimizer=opt, placement=p)
+            for (n, rows, width, opt), p in zip(specs, placements)]
+  features = [pe.FeatureSpec("fa", "a"), pe.FeatureSpec("fb", "b"),
+              pe.FeatureSpec("fc", "c", combiner="mean")]
+  return pe.EmbeddingCollection(tables, features, mesh, "x")
+
+
+def small_batch(rng, ranks=4):
+  return {"fa": rng.integers(-30, 30, (ranks, 3)).astype(np.int32),
+          "fb": rng.integers(0, 13, (ranks,)).astype(np.int32),
+          "fc": rng.integers(0, 9, (ranks, 2)).astype(np.int32)}
+
+
+class StateTest(absltest.TestCase):
+
+  def test_checkpoint_restores_across_placements(self):
+    """Trained under one placement per table, saved, restored under every
+    other: the same logical tables and optimizer states, bit for bit."""
+    rng = np.random.default_rng(0)
+    coll = small_collection(["row", "table", "replicated"])
+    state = coll.init(jax.random.key(1))
+    for _ in range(2):
+      batch = small_batch(rng)
+      emb = coll.lookup(state, batch)
+      state, _ = coll.apply_gradients(state, batch, jax.tree.map(
+          lambda e: np.asarray(rng.standard_normal(e.shape), e.dtype), emb))
+    want = jax.tree.map(test_util.as_numpy, (coll.table_arrays(state),
+                                             coll.optimizer_arrays(state)))
+    with tempfile.TemporaryDirectory() as directory:
+      path = os.path.join(directory, "ckpt")
+      checkpoint.save_collection(path, coll, state, step=2)
+      for placements in (["column"] * 3, ["table", "replicated", "row"]):
+        other = small_collection(placements)
+        restored, _ = checkpoint.restore_collection(path, other)
+        got = jax.tree.map(test_util.as_numpy, (
+            other.table_arrays(restored), other.optimizer_arrays(restored)))
+        jax.tree.map(np.testing.assert_array_equal, got, want)
+        batch = small_batch(rng)
+        jax.tree.map(np.testing.assert_array_equal,
+                     jax.tree.map(test_util.as_numpy,
+                                  other.lookup(restored, batch)),
+                     jax.tree.map(test_util.as_numpy,
+                                  coll.lookup(state, batch)))
+
+  def test_plan_bytes_match_the_shards(self):
+    """describe()'s bytes per rank are the state arrays' shards on every
+    device."""
+    coll = small_collection(["row", "table", "replicated"])
+    state = coll.init(jax.random.key(0))
+    text = coll.plan.describe()
+    total = [0, 0]
+    for stack in coll.plan.stacks:
+      stack_state = state.stacks[stack.name]
+      for i, part in enumerate((stack_state.table, stack_state.opt_state)):
+        for device in range(coll.group_size):
+          on_device = sum(leaf.addressable_shards[device].data.nbytes
+                          for leaf in jax.tree.leaves(part))
+          self.assertEqual(on_device, stack.rank_bytes()[i], stack.name)
+        total[i] += stack.rank_bytes()[i]
+      self.assertIn(f"{stack.name}: {stack.placement} ", text)
+    self.assertIn("  a: row rows [0, 30)", text)
+    self.assertIn("  b: table rows [0, 13) on rank 0", text)
+    self.assertIn("  c: replicated rows [0, 9)", text)
+    self.assertIn(f"per rank (each of 4): {total[0]} table bytes + "
+                  f"{total[1]} optimizer state bytes", text)
+    # a: 30 rows over 4 ranks, 8 per rank; row-wise Adagrad state too.
+    self.assertEqual(coll.plan.stacks[0].rank_bytes(), (8 * 8 * 4,
+                                                        8 * 4 + 4))
+
+
+class HloTest(absltest.TestCase):
+
+  def test_collectives_per_placement(self):
+    """Row: one all-to-all of ids and one of rows per lookup, one of
+    gradients per update. Replicated: no collective in its lookup."""
+    rng = np.random.default_rng(0)
+    for placement, lookups, updates in (("row", 2, 1), ("replicated", 0, 0)):
+      coll = small_collection([placement, "column", "column"])
+      coll = pe.EmbeddingCollection(
+          [coll.tables["a"]], [coll.features["fa"]], coll.mesh, "x")
+      state = coll.init(jax.random.key(0))
+      batch = {"fa": small_batch(rng)["fa"]}
+      text = jax.jit(coll.lookup).lower(state, batch).compile().as_text()
+      found = hlo.collective_bytes(text, coll.group_size)
+      self.assertEqual(found.get("all-to-all", {}).get("count", 0), lookups,
+                       (placement, found))
+      if placement == "replicated":
+        self.assertEqual(found, {})
+      emb, routing = coll.lookup_and_route(state, batch)
+      text = jax.jit(coll.apply_gradients).lower(
+          state, routing, emb).compile().as_text()
+      found = hlo.collective_bytes(text, coll.group_size)
+      self.assertEqual(found.get("all-to-all", {}).get("count", 0), updates,
+                       (placement, found))
+      if placement == "row":  # [W, C, D] f32 sums, C = 3 ids per rank
+        self.assertEqual(found["all-to-all"]["operand_bytes"], 4 * 3 * 8 * 4)
