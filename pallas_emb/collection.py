@@ -579,16 +579,17 @@ class EmbeddingCollection:
     for stack in self.plan.stacks:
       overflow = int(jax.device_get(stats[stack.name].num_overflow))
       if overflow:
-        field = ("max_ids_per_partition" if stack.placement in ("row", "table")
-                 else "max_unique")
+        owners = stack.placement in ("row", "table")
+        field = "max_ids_per_partition" if owners else "max_unique"
         capped = [t for t in stack.tables
                   if getattr(self.tables[t], field) is not None]
         raise UniqueOverflowError(
             f"pallas_emb {stack.name}: tables {capped} had {overflow} more "
             f"distinct ids in one batch than their {field} caps hold; "
-            "those ids' gradients were not applied (row and table "
-            f"placements also served them as zeros). Raise or drop {field} "
-            f"of these tables (fit_{field} with more headroom).")
+            "those ids' gradients were not applied"
+            f"{' and their rows were served as zeros' if owners else ''}. "
+            f"Raise or drop {field} of these tables (fit_{field} with more "
+            "headroom).")
 
 
 def _check_names(mapping, expected, what) -> None:
