@@ -23,6 +23,11 @@ TABLE = "table"
 REPLICATED = "replicated"
 
 
+def _state(opt, arrays, step):
+  """`opt`'s state NamedTuple of these slot arrays and step."""
+  return opt._state(arrays, step)  # pylint: disable=protected-access
+
+
 def table_spec(stack: StackPlan, table_axis) -> P:
   """The PartitionSpec of a stack's physical table."""
   if stack.placement == COLUMN:
@@ -45,7 +50,7 @@ def state_specs(stack: StackPlan, table_axis):
   spec = table_spec(stack, table_axis)
   if stack.placement == COLUMN:
     return opt.state_specs(spec)
-  return opt._state({s.name: spec for s in opt.slots()}, P())  # pylint: disable=protected-access
+  return _state(opt, {s.name: spec for s in opt.slots()}, P())
 
 
 def fresh_state(stack: StackPlan, mesh, table_axis):
@@ -63,7 +68,7 @@ def fresh_state(stack: StackPlan, mesh, table_axis):
     shape = (stack.total_rows,) + (
         (stack.emb_width,) if slot.kind == "element" else ())
     arrays[slot.name] = jnp.full(shape, slot.init, slot.dtype, device=table)
-  return opt._state(arrays, jnp.zeros((), jnp.int32, device=replicated))  # pylint: disable=protected-access
+  return _state(opt, arrays, jnp.zeros((), jnp.int32, device=replicated))
 
 
 def to_physical(stack: StackPlan, parts: Sequence[jax.Array]) -> jax.Array:
@@ -110,7 +115,7 @@ def state_to_physical(stack: StackPlan, states: Sequence[Any]):
   arrays = {name: to_physical(stack, [getattr(s, name) for s in states])
             for name in _slot_names(stack)}
   step = jnp.max(jnp.stack([jnp.asarray(s.step) for s in states]))
-  return opt._state(arrays, step)  # pylint: disable=protected-access
+  return _state(opt, arrays, step)
 
 
 def state_from_physical(stack: StackPlan, state) -> list[Any]:
@@ -119,8 +124,8 @@ def state_from_physical(stack: StackPlan, state) -> list[Any]:
   names = _slot_names(stack)
   per_slot = {name: from_physical(stack, getattr(state, name))
               for name in names}
-  return [opt._state({name: per_slot[name][i] for name in names},  # pylint: disable=protected-access
-                     state.step) for i in range(len(stack.tables))]
+  return [_state(opt, {name: per_slot[name][i] for name in names},
+                 state.step) for i in range(len(stack.tables))]
 
 
 @functools.lru_cache(maxsize=256)

@@ -260,10 +260,6 @@ class PlacementModelTest(parameterized.TestCase):
     assert_replicas_identical(self, coll, state)
 
 
-if __name__ == "__main__":
-  absltest.main()
-
-
 class OverflowTest(absltest.TestCase):
 
   def test_capped_buckets_overflow_loudly(self):
@@ -412,6 +408,33 @@ class HloTest(absltest.TestCase):
       if placement == "row":  # [W, C, D] f32 sums, C = 3 ids per rank
         self.assertEqual(found["all-to-all"]["operand_bytes"], 4 * 3 * 8 * 4)
 
+  def test_sparse_step_is_in_place(self):
+    """Row and replicated sparse steps (lookup, route, update; the state
+    donated) never materialize a table-sized array: their update writes
+    the touched rows in place, as column's does."""
+    local_rows = 1031  # prime: no per-batch array is this long
+    for placement, rows in (("row", 4 * local_rows),
+                            ("replicated", local_rows)):
+      spec = pe.TableSpec("t", rows, 8, optimizer=pe.RowwiseAdagrad(0.1),
+                          placement=placement)
+      coll = pe.EmbeddingCollection([spec], [pe.FeatureSpec("f", "t")],
+                                    test_util.mesh({"x": 4}), "x",
+                                    backend="xla")
+      state = coll.init(jax.random.key(0))
+      batch = {"f": np.arange(32, dtype=np.int32) * 7}
+      grads = {"f": np.ones((32, 8), np.float32)}
+
+      def step(state, batch, grads, coll=coll):
+        emb, routing = coll.lookup_and_route(state, batch)
+        state, stats = coll.apply_gradients(state, routing, grads)
+        return state, stats, emb
+
+      text = jax.jit(step, donate_argnums=0).lower(
+          state, batch, grads).compile().as_text()
+      bad = hlo.full_table_ops(text, local_rows)
+      self.assertEmpty([f"{b.opcode} {b.name} {b.shape}" for b in bad],
+                       placement)
+
 
 class TrainerTest(absltest.TestCase):
 
@@ -485,29 +508,6 @@ class DenseGradTest(absltest.TestCase):
       np.testing.assert_allclose(test_util.as_numpy(table), want, rtol=2e-6,
                                  atol=2e-6, err_msg=name)
 
-  def test_sparse_step_is_in_place(self):
-    """Row and replicated sparse steps (lookup, route, update; the state
-    donated) never materialize a table-sized array: their update writes
-    the touched rows in place, as column's does."""
-    local_rows = 1031  # prime: no per-batch array is this long
-    for placement, rows in (("row", 4 * local_rows),
-                            ("replicated", local_rows)):
-      spec = pe.TableSpec("t", rows, 8, optimizer=pe.RowwiseAdagrad(0.1),
-                          placement=placement)
-      coll = pe.EmbeddingCollection([spec], [pe.FeatureSpec("f", "t")],
-                                    test_util.mesh({"x": 4}), "x",
-                                    backend="xla")
-      state = coll.init(jax.random.key(0))
-      batch = {"f": np.arange(32, dtype=np.int32) * 7}
-      grads = {"f": np.ones((32, 8), np.float32)}
 
-      def step(state, batch, grads, coll=coll):
-        emb, routing = coll.lookup_and_route(state, batch)
-        state, stats = coll.apply_gradients(state, routing, grads)
-        return state, stats, emb
-
-      text = jax.jit(step, donate_argnums=0).lower(
-          state, batch, grads).compile().as_text()
-      bad = hlo.full_table_ops(text, local_rows)
-      self.assertEmpty([f"{b.opcode} {b.name} {b.shape}" for b in bad],
-                       placement)
+if __name__ == "__main__":
+  absltest.main()
