@@ -193,6 +193,22 @@ class SpecTest(absltest.TestCase):
       pe.EmbeddingCollection(tables, [pe.FeatureSpec("f", "t")],
                              test_util.mesh({"x": 4}), "x")
 
+  def test_column_only_features_refuse_other_placements(self):
+    spec = pe.TableSpec("t", 10, 8, optimizer=pe.Sgd(0.1), placement="row")
+    feats = [pe.FeatureSpec("f", "t")]
+    with self.assertRaisesRegex(pe.InputError,
+                                r"^pallas_emb TableSpec 't' placement='row' "
+                                r"with replica_axis=\('r',\)"):
+      pe.EmbeddingCollection([spec], feats,
+                             test_util.mesh({"r": 2, "x": 2}), "x",
+                             replica_axis="r")
+    coll = pe.EmbeddingCollection([spec], feats, test_util.mesh({"x": 2}),
+                                  "x")
+    with self.assertRaisesRegex(pe.InputError,
+                                r"^pallas_emb quantize got stacks \['stack0'\] "
+                                "that are not column-placed"):
+      coll.quantize(coll.init(jax.random.key(0)), "int8")
+
   def test_stacks_group_by_placement(self):
     opt = pe.Sgd(0.1)
     tables = [pe.TableSpec(n, 10 + i, 8, optimizer=opt, placement=p)
