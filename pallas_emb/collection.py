@@ -13,9 +13,10 @@
 The tables are grouped into stacks (`plan.py`); per call, the batch is read
 and checked (`inputs.py`) and laid out per stack (`layout.py`) before
 tracing, and one `shard_map` runs every stack's per-rank dataflow
-(`per_rank.py`, `stack.py`). Every feature of a stack goes through one id
-all-gather, one gather kernel, one all-to-all, and one dedup + segment-sum
-+ update per step. An id is wrapped and clamped inside its own table before
+(`per_rank.py`; `stack.py` for column and replicated stacks, `row.py` for
+row and table ones, see docs/placements.md). Every feature of a stack goes
+through one id exchange, one gather kernel, one exchange of rows, and one
+dedup + segment-sum + update per step. An id is wrapped and clamped inside its own table before
 the offset is added, so it never reaches another table of its stack.
 """
 
@@ -64,8 +65,8 @@ class EmbeddingCollection:
     features: the `FeatureSpec`s (unique names; several may share a table,
       every table is read by at least one).
     mesh: the device mesh.
-    table_axis: mesh axis name(s) of the communicator (columns are sharded
-      over them).
+    table_axis: mesh axis name(s) of the communicator (each table's
+      placement says what is sharded over them: columns, rows or tables).
     data_axis: mesh axis name(s) the batch is sharded over (default:
       table_axis).
     replica_axis: mesh axis name(s) over which whole copies of the tables
