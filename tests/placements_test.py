@@ -18,6 +18,7 @@ import test_util
 from absl import logging
 from absl.testing import absltest
 from absl.testing import parameterized
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -26,6 +27,7 @@ import optax
 import numpy_model
 import pallas_emb as pe
 from pallas_emb import checkpoint
+from pallas_emb import flax as pe_flax
 from pallas_emb import row
 from pallas_emb.testing import hlo
 
@@ -484,6 +486,27 @@ class TrainerTest(absltest.TestCase):
     np.testing.assert_allclose(results[1][0], results[0][0], rtol=1e-5)
     jax.tree.map(lambda got, want: np.testing.assert_allclose(
         got, want, rtol=2e-6, atol=2e-6), results[1][1], results[0][1])
+
+
+class FlaxTest(absltest.TestCase):
+
+  def test_flax_layer_mixed_placements(self):
+    """The Flax layer's params are the stacks' physical arrays, placed as
+    the collection places them (not column-sharded), and it looks up what
+    the collection looks up in them."""
+    coll = small_collection(["row", "table", "replicated"])
+    batch = small_batch(np.random.default_rng(0))
+    layer = pe_flax.EmbeddingCollection(coll)
+    params = nn.unbox(jax.jit(layer.init)(jax.random.key(0), batch)[
+        "params"])
+    for stack in coll.plan.stacks:
+      self.assertTrue(params[stack.name].sharding.is_equivalent_to(
+          coll.stack_sharding(stack), 2), stack.name)
+    state = coll.state_from_stacks(params)
+    jax.tree.map(np.testing.assert_array_equal,
+                 jax.tree.map(test_util.as_numpy,
+                              layer.apply({"params": params}, batch)),
+                 jax.tree.map(test_util.as_numpy, coll.lookup(state, batch)))
 
 
 class DenseGradTest(absltest.TestCase):
