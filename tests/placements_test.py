@@ -417,6 +417,9 @@ class HloTest(absltest.TestCase):
                        (placement, found))
       if placement == "replicated":
         self.assertEqual(found, {})
+      else:  # W x C int32 ids out, W x C f32 rows back (C = 3 ids a rank)
+        self.assertEqual(found["all-to-all"]["operand_bytes"],
+                         4 * 3 * 4 + 4 * 3 * 8 * 4)
       emb, routing = coll.lookup_and_route(state, batch)
       text = jax.jit(coll.apply_gradients).lower(
           state, routing, emb).compile().as_text()
