@@ -46,7 +46,9 @@ from pallas_emb.single_table import raise_if_out_of_range
 from pallas_emb.single_table import raise_if_overflow
 from pallas_emb.specs import Bag
 from pallas_emb.specs import FeatureSpec
+from pallas_emb.specs import PLACEMENTS
 from pallas_emb.specs import TableSpec
+from pallas_emb.row import RowRouting
 from pallas_emb.stack import StackRouting
 from pallas_emb.state import CollectionState
 from pallas_emb.state import Routing
@@ -83,12 +85,14 @@ __all__ = [
     "IdOutOfRangeError",
     "InputError",
     "KernelConfig",
+    "PLACEMENTS",
     "PartialRowwiseAdam",
     "PartialRowwiseAdamState",
     "PipelineMisuse",
     "PipelineState",
     "Routing",
     "ServingState",
+    "RowRouting",
     "RowwiseAdagrad",
     "RowwiseAdagradState",
     "Sgd",

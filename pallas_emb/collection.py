@@ -13,9 +13,10 @@
 The tables are grouped into stacks (`plan.py`); per call, the batch is read
 and checked (`inputs.py`) and laid out per stack (`layout.py`) before
 tracing, and one `shard_map` runs every stack's per-rank dataflow
-(`per_rank.py`, `stack.py`). Every feature of a stack goes through one id
-all-gather, one gather kernel, one all-to-all, and one dedup + segment-sum
-+ update per step. An id is wrapped and clamped inside its own table before
+(`per_rank.py`; `stack.py` for column and replicated stacks, `row.py` for
+row and table ones, see docs/placements.md). Every feature of a stack goes
+through one id exchange, one gather kernel, one exchange of rows, and one
+dedup + segment-sum + update per step. An id is wrapped and clamped inside its own table before
 the offset is added, so it never reaches another table of its stack.
 """
 
@@ -38,8 +39,10 @@ from pallas_emb import inputs as inputs_lib
 from pallas_emb import kernels
 from pallas_emb import layout as layout_lib
 from pallas_emb import per_rank
+from pallas_emb import placement as placement_lib
 from pallas_emb import plan as plan_lib
 from pallas_emb import quantize as quantize_lib
+from pallas_emb import row as row_lib
 from pallas_emb import stack as stack_lib
 from pallas_emb import state as state_lib
 from pallas_emb import update as update_lib
@@ -62,8 +65,8 @@ class EmbeddingCollection:
     features: the `FeatureSpec`s (unique names; several may share a table,
       every table is read by at least one).
     mesh: the device mesh.
-    table_axis: mesh axis name(s) of the communicator (columns are sharded
-      over them).
+    table_axis: mesh axis name(s) of the communicator (each table's
+      placement says what is sharded over them: columns, rows or tables).
     data_axis: mesh axis name(s) the batch is sharded over (default:
       table_axis).
     replica_axis: mesh axis name(s) over which whole copies of the tables
@@ -101,11 +104,18 @@ class EmbeddingCollection:
     self.kernel_config = kernel_config
     plan_lib.check_specs(tables, features)
     for table in tables:
-      validation.check_width_shards(table.emb_width, self.group_size,
-                                    f"table {table.name!r}")
+      if table.placement == "column":
+        validation.check_width_shards(table.emb_width, self.group_size,
+                                      f"table {table.name!r}")
+      elif self.replica_axis:
+        raise InputError(
+            f"pallas_emb TableSpec {table.name!r} placement="
+            f"{table.placement!r} with replica_axis={self.replica_axis}: "
+            "only column-placed tables keep copies over a replica axis so "
+            "far; use placement='column' or drop replica_axis.")
     self.tables = {t.name: t for t in tables}
     self.features = {f.name: f for f in features}
-    self.plan = plan_lib.stack_tables(tables, features)
+    self.plan = plan_lib.stack_tables(tables, features, self.group_size)
     self._layouts_cache = {}
 
   # --- layout ---------------------------------------------------------------
@@ -115,32 +125,31 @@ class EmbeddingCollection:
     return self.replica_axis + self.data_axis
 
   def table_sharding(self) -> NamedSharding:
-    """Rows replicated, columns over the communicator."""
+    """Rows replicated, columns over the communicator: a logical table's
+    (`table_arrays`); a stack's physical array has `stack_sharding`."""
     return NamedSharding(self.mesh, P(None, self.table_axis))
+
+  def stack_sharding(self, stack) -> NamedSharding:
+    """The sharding of a stack's physical array (by its placement)."""
+    return NamedSharding(self.mesh,
+                         placement_lib.table_spec(stack, self.table_axis))
 
   def token_sharding(self) -> NamedSharding:
     """The leading (batch) dimension over the token axes."""
     return NamedSharding(self.mesh, P(self.token_axes))
-
-  def _table_spec(self) -> P:
-    return P(None, self.table_axis)
 
   def _token_spec(self) -> P:
     return P(self.token_axes)
 
   def _state_specs(self) -> CollectionState:
     return CollectionState({
-        s.name: StackState(self._table_spec(), None if s.optimizer is None
-                           else s.optimizer.state_specs(self._table_spec()))
+        s.name: StackState(placement_lib.table_spec(s, self.table_axis),
+                           placement_lib.state_specs(s, self.table_axis))
         for s in self.plan.stacks})
 
   def _fresh_opt_state(self, stack):
     """A stack's initial optimizer state (None for a looked-up-only one)."""
-    if stack.optimizer is None:
-      return None
-    return stack.optimizer.init_state(
-        stack.total_rows, NamedSharding(self.mesh, P()),
-        self.table_sharding(), emb_width=stack.emb_width)
+    return placement_lib.fresh_state(stack, self.mesh, self.table_axis)
 
   # --- state ----------------------------------------------------------------
 
@@ -165,9 +174,9 @@ class EmbeddingCollection:
         parts.append(spec.initializer(
             table_key, (spec.vocab_rows, spec.emb_width),
             spec.dtype).astype(spec.dtype))
-      return jnp.concatenate(parts) if len(parts) > 1 else parts[0]
+      return placement_lib.to_physical(stack, parts)
 
-    return jax.jit(init, out_shardings=self.table_sharding())(key)
+    return jax.jit(init, out_shardings=self.stack_sharding(stack))(key)
 
   def state_from_stacks(self, tables: Mapping[str, jax.Array]
                         ) -> CollectionState:
@@ -207,12 +216,23 @@ class EmbeddingCollection:
               f"{list(array.shape)}; its TableSpec says {spec.dtype.name}"
               f"[{spec.vocab_rows}, {spec.emb_width}].")
         arrays.append(array)
-      table = _concat_rows(arrays, self.table_sharding())
+      if stack.placement == "column":
+        table = _concat_rows(arrays, self.table_sharding())
+      else:
+        table = placement_lib.jitted(placement_lib.to_physical, stack,
+                                     self.stack_sharding(stack))(arrays)
       if opt_states is None or stack.optimizer is None:
         opt_state = self._fresh_opt_state(stack)
-      else:
+      elif stack.placement == "column":
         opt_state = stack.optimizer.concat_rows(
             [opt_states[n] for n in stack.tables])
+      else:
+        shardings = jax.tree.map(
+            lambda p: NamedSharding(self.mesh, p),
+            placement_lib.state_specs(stack, self.table_axis))
+        opt_state = placement_lib.jitted(
+            placement_lib.state_to_physical, stack, shardings)(
+                [opt_states[n] for n in stack.tables])
       stacks[stack.name] = StackState(table, opt_state)
     return CollectionState(stacks, self.plan.fingerprint)
 
@@ -220,27 +240,33 @@ class EmbeddingCollection:
     """`{table name: [vocab_rows, emb_width]}`, column-sharded."""
     state_lib.check_state(self.plan, state)
     out = {}
-    for name in self.tables:
-      stack, i = self.plan.stack_of(name)
-      start = stack.row_offsets[i]
-      out[name] = state.stacks[stack.name].table[
-          start:start + stack.vocab_rows[i]]
-    return out
+    for stack in self.plan.stacks:
+      table = state.stacks[stack.name].table
+      if stack.placement == "column":
+        parts = placement_lib.from_physical(stack, table)
+      else:
+        parts = placement_lib.jitted(placement_lib.from_physical, stack,
+                                     NamedSharding(self.mesh, P()))(table)
+      out.update(zip(stack.tables, parts))
+    return {name: out[name] for name in self.tables}
 
   def optimizer_arrays(self, state: CollectionState) -> dict[str, Any]:
     """`{table name: optimizer state of its rows}`."""
     state_lib.check_state(self.plan, state)
     out = {}
-    for name in self.tables:
-      stack, i = self.plan.stack_of(name)
-      start = stack.row_offsets[i]
+    for stack in self.plan.stacks:
+      opt_state = state.stacks[stack.name].opt_state
       if stack.optimizer is None:
-        out[name] = None
-        continue
-      out[name] = stack.optimizer.slice_rows(
-          state.stacks[stack.name].opt_state, start,
-          start + stack.vocab_rows[i])
-    return out
+        parts = [None] * len(stack.tables)
+      elif stack.placement == "column":
+        parts = [stack.optimizer.slice_rows(opt_state, start, start + rows)
+                 for start, rows in zip(stack.row_offsets, stack.vocab_rows)]
+      else:
+        parts = placement_lib.jitted(placement_lib.state_from_physical,
+                                     stack, NamedSharding(self.mesh, P()))(
+                                         opt_state)
+      out.update(zip(stack.tables, parts))
+    return {name: out[name] for name in self.tables}
 
   def quantize(self, state: CollectionState, dtype: str) -> ServingState:
     """A read-only serving copy of the state's tables, for `lookup`.
@@ -255,15 +281,21 @@ class EmbeddingCollection:
     """
     state_lib.check_state(self.plan, state)
     name = quantize_lib.check_serving_dtype(dtype)
+    others = [s.name for s in self.plan.stacks if s.placement != "column"]
+    if others:
+      raise InputError(
+          f"pallas_emb quantize got stacks {others} that are not column-"
+          "placed; serving copies exist for column placement only so far, "
+          "so serve those tables from the training state.")
     return ServingState(
         {s.name: quantize_lib.quantize_rows(state.stacks[s.name].table, name)
          for s in self.plan.stacks}, name, self.plan.fingerprint)
 
   def _serving_specs(self, dtype: str):
     if dtype == quantize_lib.INT8:
-      spec = quantize_lib.QuantizedRows(self._table_spec(), P(), P())
+      spec = quantize_lib.QuantizedRows(P(None, self.table_axis), P(), P())
     else:
-      spec = self._table_spec()
+      spec = P(None, self.table_axis)
     return tuple(spec for _ in self.plan.stacks)
 
   # --- per-call checks ----------------------------------------------------------
@@ -398,7 +430,8 @@ class EmbeddingCollection:
             tuple(n for n, f in self.features.items() if f.combiner))
 
   def _table_specs(self):
-    return tuple(self._table_spec() for _ in self.plan.stacks)
+    return tuple(placement_lib.table_spec(s, self.table_axis)
+                 for s in self.plan.stacks)
 
   def _feature_specs(self):
     return tuple(self._token_spec() for _ in self.features)
@@ -412,8 +445,11 @@ class EmbeddingCollection:
 
   def _routing_specs(self):
     tokens = self._token_spec()
-    return tuple(stack_lib.StackRouting(P(), tokens, tokens, P(), P())
-                 for _ in self.plan.stacks)
+    return tuple(
+        row_lib.RowRouting(tokens, tokens, tokens, tokens, tokens, P(), P())
+        if s.placement in ("row", "table") else
+        stack_lib.StackRouting(P(), tokens, tokens, P(), P())
+        for s in self.plan.stacks)
 
   # --- update ---------------------------------------------------------------
 
@@ -488,24 +524,48 @@ class EmbeddingCollection:
     over. A later batch with more distinct rows than a cap loses those
     rows' gradients and says so: check the stats with `raise_if_overflow`.
     """
+    return self._fit("max_unique", self.distinct_rows, batches, headroom,
+                     ("column", "replicated"))
+
+  def fit_max_ids_per_partition(self, batches, *, headroom: float = 1.25
+                                ) -> EmbeddingCollection:
+    """`fit_max_unique` for row- and table-placed tables: each one's
+    `max_ids_per_partition` fit to `headroom` x the most distinct rows of
+    the table one rank sent one owner in one of `batches` (a multiple of
+    8; a smaller cap stays).
+
+    Without caps each rank's bucket per owner holds all of its ids, so
+    every owner receives W x a rank's ids, the work of column's
+    all-gather; on well-spread ids a fitted cap is about headroom / W of
+    that. A later batch over a cap serves those rows as zeros and does not
+    train them: check the stats with `raise_if_overflow`."""
+    return self._fit("max_ids_per_partition",
+                     lambda b: row_lib.ids_per_partition(self, b), batches,
+                     headroom, ("row", "table"))
+
+  def _fit(self, field, count, batches, headroom, placements):
+    """This collection with `field` of the tables of `placements` set to
+    headroom x the most `count(batch)[table]` over `batches`."""
     if (not isinstance(headroom, numbers.Real) or isinstance(headroom, bool)
         or not (np.isfinite(headroom) and headroom >= 1)):
-      raise InputError(f"pallas_emb fit_max_unique headroom={headroom!r}; "
+      raise InputError(f"pallas_emb fit_{field} headroom={headroom!r}; "
                        "expected a finite number >= 1.")
     batches = list(batches)
     if not batches:
-      raise InputError("pallas_emb fit_max_unique got no batches; give at "
+      raise InputError(f"pallas_emb fit_{field} got no batches; give at "
                        "least one sample batch of the stream.")
     most = {name: 0 for name in self.tables}
     for batch in batches:
-      for name, count in self.distinct_rows(batch).items():
-        most[name] = max(most[name], count)
+      for name, n in count(batch).items():
+        most[name] = max(most[name], n)
     tables = []
     for name, spec in self.tables.items():
-      cap = 8 * max(1, math.ceil(headroom * most[name] / 8))
-      if spec.max_unique is not None:
-        cap = min(cap, spec.max_unique)
-      tables.append(dataclasses.replace(spec, max_unique=cap))
+      if spec.placement in placements:
+        cap = 8 * max(1, math.ceil(headroom * most[name] / 8))
+        if getattr(spec, field) is not None:
+          cap = min(cap, getattr(spec, field))
+        spec = dataclasses.replace(spec, **{field: cap})
+      tables.append(spec)
     return type(self)(
         tables, tuple(self.features.values()), self.mesh, self.table_axis,
         data_axis=self.data_axis, replica_axis=self.replica_axis,
@@ -514,17 +574,23 @@ class EmbeddingCollection:
   def raise_if_overflow(self, stats: Mapping[str, update_lib.UpdateStats]
                         ) -> None:
     """Host-side: raises if a table's batch had more distinct rows than its
-    `TableSpec.max_unique` (the only way a unique buffer overflows)."""
+    `TableSpec.max_unique` (or, row and table placements, more for one
+    owner than `max_ids_per_partition`): the only ways a buffer
+    overflows."""
     for stack in self.plan.stacks:
       overflow = int(jax.device_get(stats[stack.name].num_overflow))
       if overflow:
+        owners = stack.placement in ("row", "table")
+        field = "max_ids_per_partition" if owners else "max_unique"
         capped = [t for t in stack.tables
-                  if self.tables[t].max_unique is not None]
+                  if getattr(self.tables[t], field) is not None]
         raise UniqueOverflowError(
             f"pallas_emb {stack.name}: tables {capped} had {overflow} more "
-            "distinct ids in one batch than their max_unique caps hold; "
-            "those ids' gradients were not applied. Raise or drop "
-            "max_unique of these tables (fit_max_unique with more headroom).")
+            f"distinct ids in one batch than their {field} caps hold; "
+            "those ids' gradients were not applied"
+            f"{' and their rows were served as zeros' if owners else ''}. "
+            f"Raise or drop {field} of these tables (fit_{field} with more "
+            "headroom).")
 
 
 def _check_names(mapping, expected, what) -> None:

@@ -1,10 +1,12 @@
-"""The collectives of the column-sharded layout.
+"""The collectives of every placement.
 
 Everything here runs per rank, inside `shard_map` over the context's mesh;
 `shard` builds that `shard_map`. With W = group_size, T = tokens_per_rank and
 S = shard_width, a rank all-gathers the W*T ids of its communicator
 (source-rank major), serves S columns of each, and an all-to-all brings every
 rank the W*S columns of its own T tokens. Gradients travel the reverse way.
+Row and table placements send each owner a bucket of ids and get its rows
+back through `all_to_all` (`row.py`).
 """
 
 from __future__ import annotations
@@ -167,8 +169,12 @@ def all_gather_ids(ctx: EmbeddingContext, ids: jax.Array) -> jax.Array:
   return lax.all_gather(ids, axis_name(ctx.table_axis), axis=0, tiled=True)
 
 
-def _all_to_all(ctx: EmbeddingContext, x: jax.Array) -> jax.Array:
-  """Block w of the leading dim goes to rank w; block w back is from rank w."""
+def all_to_all(ctx: EmbeddingContext, x: jax.Array) -> jax.Array:
+  """Block w of the leading dim goes to rank w; block w back is from rank w.
+
+  Padded blocks of equal size: `lax.ragged_all_to_all` is not implemented
+  on XLA:CPU (jax 0.10.2).
+  """
   if ctx.group_size == 1:
     return x
   return lax.all_to_all(x, axis_name(ctx.table_axis), 0, 0, tiled=True)
@@ -177,7 +183,7 @@ def _all_to_all(ctx: EmbeddingContext, x: jax.Array) -> jax.Array:
 def exchange_rows(ctx: EmbeddingContext, rows: jax.Array) -> jax.Array:
   """Served rows `[W*T, S]` (destination major) -> my tokens `[T, W*S]`."""
   w, t, s = ctx.group_size, ctx.tokens_per_rank, ctx.shard_width
-  received = _all_to_all(ctx, rows).reshape(w, t, s)  # [column shard, T, S]
+  received = all_to_all(ctx, rows).reshape(w, t, s)  # [column shard, T, S]
   return received.transpose(1, 0, 2).reshape(t, w * s)
 
 
@@ -188,4 +194,4 @@ def route_gradients(ctx: EmbeddingContext, grads: jax.Array) -> jax.Array:
   """
   w, t, s = ctx.group_size, ctx.tokens_per_rank, ctx.shard_width
   by_column_shard = grads.reshape(t, w, s).transpose(1, 0, 2)  # [W, T, S]
-  return _all_to_all(ctx, by_column_shard.reshape(w * t, s))
+  return all_to_all(ctx, by_column_shard.reshape(w * t, s))

@@ -78,6 +78,12 @@ class StackLayout:
   # Per table of the stack, in row order: (its first stacked row, its slots
   # in the unique buffer). Slots are given to tables in this order.
   regions: tuple[tuple[int, int], ...] = ()
+  # The stack's placement; row and table placements send each owner at
+  # most `capacity` distinct rows per rank (the per-pair bucket), and a
+  # table-placed stack's rank r holds stacked rows [r, r + 1) * block_rows.
+  placement: str = "column"
+  capacity: int = 0
+  block_rows: int = 0
 
   @property
   def sequence(self) -> tuple[FeatureLayout, ...]:
@@ -155,17 +161,22 @@ def stack_layouts(coll, shapes, implicit_weights=()
                                              ids_per_table.get(t, 0)))
         for i, t in enumerate(stack.tables))
     rows = sum(f.local_rows for f in feats)
+    column = stack.placement == "column"
+    capacity = _capacity(coll, stack, feats)
+    num_unique = (coll.group_size * capacity if capacity else
+                  sum(slots for _, slots in regions))
     ctx = EmbeddingContext(
         mesh=coll.mesh, table_axis=coll.table_axis,
         data_axis=coll.data_axis, group_size=coll.group_size,
         tokens_per_batch=rows * shards, tokens_per_rank=rows,
         emb_width=stack.emb_width,
-        shard_width=stack.emb_width // coll.group_size,
-        num_unique=max(1, sum(slots for _, slots in regions)),
+        shard_width=stack.emb_width // (coll.group_size if column else 1),
+        num_unique=max(1, num_unique),
         num_devices_per_node=jax.local_device_count(),
         replica_axis=coll.replica_axis, padding_id=None)
     layout = StackLayout(stack.name, stack.optimizer, ctx, tuple(feats),
-                         regions)
+                         regions, stack.placement, capacity,
+                         stack.block_rows)
     _check_offsets(layout, stack)
     layouts.append(layout)
   return tuple(layouts)
@@ -180,11 +191,33 @@ def _region_slots(table, num_ids: int) -> int:
   return slots
 
 
+def _capacity(coll, stack, feats) -> int:
+  """Row and table placements: the distinct rows one rank sends one owner
+  (per table: its ids on the rank, its rows, its `max_ids_per_partition`,
+  whichever is least; a table-placed stack's busiest owner). 0 otherwise."""
+  if stack.placement not in ("row", "table"):
+    return 0
+  ids = {}
+  for f in feats:
+    table = coll.features[f.name].table
+    ids[table] = ids.get(table, 0) + f.local_entries
+  per_owner = [0] * coll.group_size
+  for name, offset in zip(stack.tables, stack.row_offsets):
+    spec = coll.tables[name]
+    cap = min(ids.get(name, 0), spec.vocab_rows)
+    if spec.max_ids_per_partition is not None:
+      cap = min(cap, spec.max_ids_per_partition)
+    owner = offset // stack.block_rows if stack.placement == "table" else 0
+    per_owner[owner] += cap
+  return max(1, max(per_owner))
+
+
 def _check_offsets(layout: StackLayout, stack) -> None:
   """Flat offsets of the stack's per-rank arrays fit int32 (before tracing)."""
   ctx = layout.ctx
   for what, size in (
-      ("table shard", stack.total_rows * ctx.shard_width),
+      ("table shard", stack.local_rows * ctx.shard_width),
+      ("owner buckets", ctx.group_size * layout.capacity * ctx.shard_width),
       ("gathered rows", ctx.group_size * layout.entries * ctx.shard_width),
       ("exchanged rows", ctx.group_size * ctx.tokens_per_rank
        * ctx.shard_width)):

@@ -1,8 +1,10 @@
 """The collection's per-rank code: every stack of a batch, in plan order.
 
 These functions run inside the collection's `shard_map`; each loops over
-the stacks' static layouts and calls the stack dataflow (`stack.py`) once
-per stack. The inputs arrive in collection order (features as declared,
+the stacks' static layouts and calls the dataflow of the stack's placement
+once per stack: `stack.py` for column and replicated stacks, `row.py` for
+row and table ones (the same four entry points: lookup, route, update,
+dense gradient). The inputs arrive in collection order (features as declared,
 pooled features' weights after them) and are regrouped per stack here.
 `collection_lookup` is the differentiable lookup (dense cotangents).
 """
@@ -15,8 +17,15 @@ import jax
 import jax.numpy as jnp
 
 from pallas_emb import exchange
+from pallas_emb import row
 from pallas_emb import stack
 from pallas_emb.state import StackState
+
+
+def dataflow(layout):
+  """The module of the stack's placement's per-rank dataflow."""
+  return row if layout.placement in ("row", "table") else stack
+
 
 def per_stack(coll_order, layouts, all_ids, all_weights):
   """Per stack (in plan order): `(layout, its features' ids, the combiner
@@ -38,14 +47,11 @@ def lookup_per_rank(backend, kernel_config, coll_order, layouts, tables,
   outs, routings = {}, []
   for (layout, ids, weights), table in zip(
       per_stack(coll_order, layouts, all_ids, all_weights), tables):
-    keys_all, weights_all = stack.gather_entries(layout, ids, weights)
+    embs = dataflow(layout).lookup_stack(layout, backend, table, ids, weights,
+                                         kernel_config, with_routing=route)
     if route:
-      embs, routing = stack.serve_and_route(
-          layout, backend, table, keys_all, weights_all, kernel_config)
+      embs, routing = embs
       routings.append(routing)
-    else:
-      embs = stack.serve(layout, backend, table, keys_all, weights_all,
-                             kernel_config)
     outs.update(zip((f.name for f in layout.features), embs))
   embeddings = tuple(outs[name] for name in coll_order[0])
   return (embeddings, tuple(routings)) if route else embeddings
@@ -53,7 +59,7 @@ def lookup_per_rank(backend, kernel_config, coll_order, layouts, tables,
 
 def route_per_rank(coll_order, layouts, all_ids, all_weights):
   return tuple(
-      stack.route(layout, *stack.gather_entries(layout, ids, weights))
+      dataflow(layout).route_stack(layout, ids, weights)
       for layout, ids, weights in per_stack(coll_order, layouts, all_ids,
                                            all_weights))
 
@@ -69,7 +75,7 @@ def apply_per_rank(backend, kernel_config, order, layouts, states, routings,
   new_states, stats = [], []
   for layout, state, routing, grads in zip(
       layouts, states, routings, _by_stack(order, layouts, all_grads)):
-    table, opt_state, stack_stats = stack.update(
+    table, opt_state, stack_stats = dataflow(layout).update(
         layout, backend, state.table, state.opt_state, routing, grads, pending,
         kernel_config)
     new_states.append(StackState(table, opt_state))
@@ -82,9 +88,8 @@ def _dense_grads_per_rank(coll_order, layouts, tables, all_ids, all_weights,
   """The dense scatter-add cotangent of every stack table."""
   cts = _by_stack(coll_order[0], layouts, all_cotangents)
   return tuple(
-      stack.dense_grad(layout, table,
-                           *stack.gather_entries(layout, ids, weights),
-                           stack_cts)
+      dataflow(layout).dense_grad_stack(layout, table, ids, weights,
+                                        stack_cts)
       for (layout, ids, weights), table, stack_cts in zip(
           per_stack(coll_order, layouts, all_ids, all_weights), tables, cts))
 

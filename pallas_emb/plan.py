@@ -1,9 +1,19 @@
 """Which table is stored where: stacking tables into physical arrays.
 
-Tables with the same (emb_width, dtype, optimizer) are *stacked*: stored as
-one `[total_rows, emb_width]` column-sharded array, each table at a row
-offset, so all features of a stack share one exchange per step. The plan is
-fixed when a collection is built and printable (`coll.plan`).
+Tables with the same (placement, emb_width, dtype, optimizer) are
+*stacked*: stored as one physical array, each table at a row offset, so all
+features of a stack share one exchange per step. The plan is fixed when a
+collection is built and printable (`coll.plan`, `coll.plan.describe()`).
+
+The physical array of a stack, per placement (W ranks, R stacked rows):
+
+  column      `[R, D]`, columns over the ranks (`[R, D / W]` per rank)
+  replicated  `[R, D]` on every rank
+  row         `[W * ceil(R / W), D]`, rows over the ranks: rank r's block
+              holds the stacked rows g = r, r + W, r + 2W, ... (g // W is
+              the local row), so Zipf-hot low ids spread over every rank
+  table       `[W * block_rows, D]`, rows over the ranks: each table lies
+              whole inside one rank's block, at its row offset
 """
 
 from __future__ import annotations
@@ -32,10 +42,46 @@ class StackPlan:
   dtype: np.dtype
   optimizer: Any
   features: tuple[str, ...]
+  placement: str = "column"
+  ranks: int = 1              # W, the communicator the layout is for
+  block_rows: int = 0         # "table": rows of each rank's block
 
   @property
   def total_rows(self) -> int:
-    return sum(self.vocab_rows)
+    """Rows of the stack's global physical array `[total_rows, emb_width]`;
+    row and table placements pad them to W equal blocks."""
+    rows = sum(self.vocab_rows)
+    if self.placement == "table":
+      return self.ranks * self.block_rows
+    if self.placement == "row":
+      return self.ranks * -(-rows // self.ranks)
+    return rows
+
+  @property
+  def local_rows(self) -> int:
+    """Rows of the physical array each rank holds."""
+    if self.placement in ("row", "table"):
+      return self.total_rows // self.ranks
+    return self.total_rows
+
+  def rank_bytes(self) -> tuple[int, int]:
+    """`(table, optimizer state)` bytes each rank stores: its shard of the
+    physical array and of every optimizer state array (the step too)."""
+    width = self.emb_width // (self.ranks if self.placement == "column"
+                               else 1)
+    rows = self.local_rows
+    table = rows * width * self.dtype.itemsize
+    if self.optimizer is None:
+      return table, 0
+    state = 4  # the step counter
+    for slot in self.optimizer.slots():
+      item = np.dtype(slot.dtype).itemsize
+      if slot.kind == "row":
+        state += (self.total_rows if self.placement == "column" else
+                  rows) * item
+      else:
+        state += rows * width * item
+    return table, state
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,43 +103,107 @@ class CollectionPlan:
     optimizers. States and routings carry it (see `state.py`)."""
     text = repr([(s.name, s.tables, s.row_offsets, s.vocab_rows, s.emb_width,
                   s.dtype.name, repr(s.optimizer), s.features)
+                 + ((s.placement, s.ranks, s.block_rows)
+                    if s.placement != "column" else ())
                  for s in self.stacks])
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
   def __str__(self) -> str:
+    return self._text(detailed=False)
+
+  def describe(self) -> str:
+    """The plan with every table's placement and the bytes of tables and
+    optimizer state each rank stores (its shards of the state's arrays)."""
+    table = sum(s.rank_bytes()[0] for s in self.stacks)
+    state = sum(s.rank_bytes()[1] for s in self.stacks)
+    return (f"{self._text(detailed=True)}\nper rank (each of "
+            f"{self.stacks[0].ranks}): {table} table bytes + {state} "
+            "optimizer state bytes")
+
+  def _text(self, detailed: bool) -> str:
     lines = []
     for s in self.stacks:
-      lines.append(
-          f"{s.name}: [{s.total_rows}, {s.emb_width}] {s.dtype.name}, "
-          f"{type(s.optimizer).__name__}, features {list(s.features)}")
+      # A column stack prints as it always has unless details are asked.
+      where = f"{s.placement} " if detailed or s.placement != "column" else ""
+      line = (f"{s.name}: {where}[{s.total_rows}, {s.emb_width}] "
+              f"{s.dtype.name}, {type(s.optimizer).__name__}, features "
+              f"{list(s.features)}")
+      if detailed:
+        line += ("; per rank {} table bytes + {} optimizer state bytes"
+                 .format(*s.rank_bytes()))
+      lines.append(line)
       for table, offset, rows in zip(s.tables, s.row_offsets, s.vocab_rows):
-        lines.append(f"  {table}: rows [{offset}, {offset + rows})")
+        rank = (f" on rank {offset // s.block_rows}"
+                if s.placement == "table" else "")
+        lines.append(f"  {table}: {where}rows [{offset}, {offset + rows})"
+                     f"{rank}")
     return "\n".join(lines)
 
 
 def stack_tables(tables: Sequence[TableSpec],
-                 features: Sequence[FeatureSpec]) -> CollectionPlan:
-  """Groups `tables` by (emb_width, dtype, optimizer) into stacks, in the
-  order the tables are given; each stack lists the features that read it."""
+                 features: Sequence[FeatureSpec], ranks: int = 1
+                 ) -> CollectionPlan:
+  """Groups `tables` by (placement, emb_width, dtype, optimizer) into
+  stacks, in the order the tables are given; each stack lists the features
+  that read it. `ranks`: the communicator's size W (row and table
+  placements lay their rows out over it)."""
   groups: dict[Any, list[TableSpec]] = {}
   for table in tables:
+    if table.rank is not None and table.rank >= ranks:
+      raise InputError(
+          f"pallas_emb TableSpec {table.name!r} rank={table.rank} is outside "
+          f"the {ranks}-rank communicator; give a rank in [0, {ranks}) or "
+          "drop rank= to place it by bytes.")
     groups.setdefault(table.stack_key, []).append(table)
   stacks = []
   for i, members in enumerate(groups.values()):
+    placement = members[0].placement
+    block_rows = 0
+    if placement == "table":
+      members, offsets, block_rows = _pack_blocks(members, ranks)
     names = tuple(t.name for t in members)
     rows = tuple(t.vocab_rows for t in members)
-    if sum(rows) > MAX_INT32:
+    total = ranks * block_rows if placement == "table" else sum(rows)
+    if total > MAX_INT32:
       raise InputError(
-          f"pallas_emb tables {list(names)} stack into {sum(rows)} rows, "
+          f"pallas_emb tables {list(names)} stack into {total} rows, "
           "more than int32 row ids address; give one of them another "
-          "width, dtype or optimizer so it is stored apart.")
-    offsets = tuple(int(o) for o in np.cumsum((0,) + rows[:-1]))
+          "width, dtype, optimizer or placement so it is stored apart.")
+    if placement != "table":
+      offsets = tuple(int(o) for o in np.cumsum((0,) + rows[:-1]))
     stacks.append(StackPlan(
         name=f"stack{i}", tables=names, row_offsets=offsets, vocab_rows=rows,
         emb_width=members[0].emb_width, dtype=members[0].dtype,
         optimizer=members[0].optimizer,
-        features=tuple(f.name for f in features if f.table in names)))
+        features=tuple(f.name for f in features if f.table in names),
+        placement=placement, ranks=ranks, block_rows=block_rows))
   return CollectionPlan(tuple(stacks))
+
+
+def _pack_blocks(members: Sequence[TableSpec], ranks: int):
+  """Table placement: each table whole on one rank (its `rank`, else the
+  least loaded one, largest tables first), every rank's block as long as
+  the longest. Returns the tables in row order, their offsets in the stack
+  and the block's rows."""
+  load = [0] * ranks
+  home = {}
+  for t in members:
+    if t.rank is not None:
+      home[t.name] = t.rank
+      load[t.rank] += t.vocab_rows
+  for t in sorted((t for t in members if t.rank is None),
+                  key=lambda t: -t.vocab_rows):
+    home[t.name] = int(np.argmin(load))
+    load[home[t.name]] += t.vocab_rows
+  block_rows = max(load)
+  offsets, used = {}, [0] * ranks
+  for t in members:  # within a block, in the order given
+    r = home[t.name]
+    offsets[t.name] = r * block_rows + used[r]
+    used[r] += t.vocab_rows
+  ordered = sorted(members, key=lambda t: offsets[t.name])
+  return (tuple(ordered), tuple(offsets[t.name] for t in ordered),
+          block_rows)
 
 
 def check_specs(tables: Sequence[TableSpec],

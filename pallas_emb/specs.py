@@ -30,6 +30,8 @@ default_initializer = jax.nn.initializers.variance_scaling(
     1.0, "fan_in", "normal", out_axis=0)
 
 COMBINERS = ("sum", "mean", "sqrtn")
+# Where a table's rows live over the communicator (see docs/placements.md).
+PLACEMENTS = ("column", "row", "table", "replicated")
 MAX_INT32 = np.iinfo(np.int32).max
 
 
@@ -55,6 +57,16 @@ class TableSpec:
       its stack's unique buffer (default: never overflows); a batch over
       the cap raises `UniqueOverflowError` when its stats are checked.
       `EmbeddingCollection.fit_max_unique` sets it from sample batches.
+    placement: "column" (every rank holds all rows and `emb_width / W`
+      columns), "row" (global row g of its stack on rank `g % W`, full
+      width), "table" (the whole table on one rank) or "replicated" (the
+      whole table on every rank).
+    rank: the rank holding a "table"-placed table (None: balanced by
+      bytes); only for placement "table".
+    max_ids_per_partition: "row" and "table" placement: cap on the distinct
+      rows of this table one rank sends to one owner per batch (default:
+      never overflows); `EmbeddingCollection.fit_max_ids_per_partition`
+      sets it from sample batches.
   """
   name: str
   vocab_rows: int
@@ -65,6 +77,9 @@ class TableSpec:
   initializer: Initializer = default_initializer
   padding_id: int | None = None
   max_unique: int | None = None
+  placement: str = "column"
+  rank: int | None = None
+  max_ids_per_partition: int | None = None
 
   def __post_init__(self):
     if not _name_ok(self.name):
@@ -98,11 +113,38 @@ class TableSpec:
     validation.check_padding_id(self.padding_id)
     if self.max_unique is not None:
       validation.check_positive(f"{what} max_unique", self.max_unique)
+    if self.placement not in PLACEMENTS:
+      raise InputError(
+          f"pallas_emb {what} placement={self.placement!r} is not a "
+          f"placement; expected one of {PLACEMENTS}.")
+    if self.rank is not None:
+      if self.placement != "table":
+        raise InputError(
+            f"pallas_emb {what} rank={self.rank!r} is given for placement="
+            f"{self.placement!r}; only a 'table'-placed table has a rank, so "
+            "drop rank= or set placement='table'.")
+      if (not isinstance(self.rank, (int, np.integer))
+          or isinstance(self.rank, bool) or self.rank < 0):
+        raise InputError(f"pallas_emb {what} rank={self.rank!r}; expected "
+                         "an int >= 0 (a rank of the communicator).")
+    if self.max_unique is not None and self.placement in ("row", "table"):
+      raise InputError(
+          f"pallas_emb {what} max_unique is given for placement="
+          f"{self.placement!r}, whose owners size their buffers by "
+          "max_ids_per_partition instead; give that cap.")
+    if self.max_ids_per_partition is not None:
+      if self.placement not in ("row", "table"):
+        raise InputError(
+            f"pallas_emb {what} max_ids_per_partition is given for "
+            f"placement={self.placement!r}; it caps the ids a rank sends to "
+            "an owner, so only 'row' and 'table' placements take it.")
+      validation.check_positive(f"{what} max_ids_per_partition",
+                                self.max_ids_per_partition)
 
   @property
   def stack_key(self):
     """Tables with equal keys share one physical array."""
-    return (self.emb_width, self.dtype.name, self.optimizer)
+    return (self.placement, self.emb_width, self.dtype.name, self.optimizer)
 
 
 @dataclasses.dataclass(frozen=True)

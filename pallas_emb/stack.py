@@ -12,6 +12,7 @@ keys once and applies the stack's optimizer once.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import NamedTuple, Sequence
 
 import jax
@@ -29,6 +30,8 @@ from pallas_emb.kernels import common
 from pallas_emb.layout import FeatureLayout
 from pallas_emb.layout import StackLayout
 from pallas_emb.quantize import QuantizedRows
+
+REPLICATED = "replicated"
 
 
 class StackRouting(NamedTuple):
@@ -90,27 +93,41 @@ def combiner_weights(feature: FeatureLayout, ids: jax.Array,
   return jnp.where(w != 0, w / total, 0.0)
 
 
-def gather_entries(layout: StackLayout, ids: Sequence[jax.Array],
-                   weights: Sequence[jax.Array]):
-  """One all-gather of the stack's keys (and pooled weights).
+def local_entries(layout: StackLayout, ids: Sequence[jax.Array],
+                  weights: Sequence[jax.Array]) -> jax.Array:
+  """int32 `[E + pooled entries]`: this rank's keys, then its pooled
+  entries' weights as bits (what one collective carries).
 
   `ids`: this rank's ids per feature (the layout's order); `weights`: the
-  combiner weights of its pooled features. Returns `(keys_all [W, E],
-  weights_all [W, pooled entries])`.
+  combiner weights of its pooled features.
   """
   w_by_name = dict(zip((f.name for f in layout.pooled), weights))
   parts = [entry_keys(f, x, w_by_name.get(f.name))
            for f, x in zip(layout.features, ids)]
   wbits = [lax.bitcast_convert_type(w_by_name[f.name].reshape(-1),
                                     jnp.int32) for f in layout.pooled]
-  local = jnp.concatenate(parts + wbits) if len(parts + wbits) > 1 else (
+  return jnp.concatenate(parts + wbits) if len(parts + wbits) > 1 else (
       parts[0])
-  gathered = exchange.all_gather_ids(layout.ctx, local).reshape(
-      layout.ctx.group_size, -1)
-  keys_all = gathered[:, :layout.entries]
-  weights_all = lax.bitcast_convert_type(gathered[:, layout.entries:],
-                                         jnp.float32)
-  return keys_all, weights_all
+
+
+def split_entries(layout: StackLayout, entries: jax.Array):
+  """`[..., E + pooled entries]` -> `(keys [..., E], weights [..., pooled
+  entries])`, the inverse of `local_entries`."""
+  return (entries[..., :layout.entries],
+          lax.bitcast_convert_type(entries[..., layout.entries:],
+                                   jnp.float32))
+
+
+def gather_entries(layout: StackLayout, ids: Sequence[jax.Array],
+                   weights: Sequence[jax.Array]):
+  """One all-gather of the stack's keys (and pooled weights).
+
+  Returns `(keys_all [W, E], weights_all [W, pooled entries])`.
+  """
+  gathered = exchange.all_gather_ids(
+      layout.ctx, local_entries(layout, ids, weights)).reshape(
+          layout.ctx.group_size, -1)
+  return split_entries(layout, gathered)
 
 
 def rows_of(keys: jax.Array) -> jax.Array:
@@ -146,12 +163,16 @@ def serve_and_route(layout: StackLayout, backend: str, table, keys_all,
   served = gather_served(layout, backend, table, keys_all, weights_all,
                          kernel_config)
   routing = route(layout, keys_all, weights_all)
+  return exchange_served(layout, served), routing._replace(
+      unique_tokens=_after_served(layout, routing.unique_tokens, served))
+
+
+def _after_served(layout: StackLayout, unique, served) -> jax.Array:
+  """`unique`, made to depend on the first served row of each part
+  (sequence rows, pooled rows) of `served` `[W, rows, S]`."""
   starts = (([0] if layout.sequence else []) +
             ([layout.sequence_entries] if layout.pooled else []))
-  unique = ordering.after(routing.unique_tokens,
-                          *(served[0, start] for start in starts))
-  return exchange_served(layout, served), routing._replace(
-      unique_tokens=unique)
+  return ordering.after(unique, *(served[0, start] for start in starts))
 
 
 def gather_served(layout: StackLayout, backend: str, table, keys_all,
@@ -212,12 +233,22 @@ def split_rows(layout: StackLayout, rows: jax.Array) -> list[jax.Array]:
 def _routed_rows(layout: StackLayout, grads: Sequence[jax.Array]) -> jax.Array:
   """`[W, rows per rank, S]`: this rank's columns of the gradient of every
   row the communicator exchanged (ONE all-to-all; pooled ones in f32)."""
+  local = local_rows(layout, grads)
+  if layout.placement == REPLICATED:
+    # Every replica sums every rank's full-width gradients itself.
+    return exchange.all_gather_ids(layout.ctx, local).reshape(
+        layout.ctx.group_size, local.shape[0], -1)
+  return exchange.route_gradients(layout.ctx, local).reshape(
+      layout.ctx.group_size, layout.sequence_entries + layout.pooled_bags, -1)
+
+
+def local_rows(layout: StackLayout, grads: Sequence[jax.Array]) -> jax.Array:
+  """This rank's features' gradients as rows `[T, D]` (f32 with pooled
+  features: their bags' gradients scale per entry)."""
   flat = [g.reshape(-1, g.shape[-1]) for g in grads]
   if layout.pooled:
     flat = [g.astype(jnp.float32) for g in flat]
-  local = jnp.concatenate(flat) if len(flat) > 1 else flat[0]
-  return exchange.route_gradients(layout.ctx, local).reshape(
-      layout.ctx.group_size, layout.sequence_entries + layout.pooled_bags, -1)
+  return jnp.concatenate(flat) if len(flat) > 1 else flat[0]
 
 
 def _per_pooled_feature(layout: StackLayout, bags: jax.Array,
@@ -331,6 +362,8 @@ def update(layout: StackLayout, backend: str, table, opt_state,
         "optimizer=None: looked up only); give its tables a sparse "
         "optimizer to train them.")
   weights_all = routing.weights.reshape(layout.ctx.group_size, -1)
+  norms = (update_lib.NONE if layout.placement == REPLICATED
+           else update_lib.COLUMNS)
   if layout.pooled and backend == "xla":
     grad_accum, row_sq = grad_sums_by_position(
         layout, grads, weights_all, routing.segments,
@@ -338,12 +371,12 @@ def update(layout: StackLayout, backend: str, table, opt_state,
     return update_lib.update_from_sums(
         layout.ctx, layout.optimizer, backend, table, opt_state, grad_accum,
         row_sq, routing.unique_tokens, pending, routing.num_overflow,
-        kernel_config)
+        kernel_config, norms)
   routed = routed_entry_grads(layout, grads, weights_all)
   return update_lib.update_from_routed(
       layout.ctx, layout.optimizer, backend, table, opt_state, routed,
       routing.segments, routing.unique_tokens, pending, routing.num_overflow,
-      kernel_config)
+      kernel_config, norms)
 
 
 def dense_grad(layout: StackLayout, table, keys_all, weights_all, cotangents):
@@ -361,3 +394,48 @@ def dense_grad(layout: StackLayout, table, keys_all, weights_all, cotangents):
   if layout.ctx.replica_axis:
     dense = lax.psum(dense, layout.ctx.replica_axis)
   return dense.astype(table.dtype)
+
+
+# --- the per-rank entry points of a column or replicated stack --------------------
+# (`row.py` has the same four for row and table placements.)
+
+
+def lookup_stack(layout: StackLayout, backend: str, table, ids, weights,
+                 kernel_config=None, with_routing=False):
+  """The stack's embeddings (the layout's order) [+ its routing].
+
+  Column: one all-gather of the keys, this rank's columns of every row,
+  one all-to-all. Replicated: every rank holds the whole table, so a
+  lookup reads its own rows (no collective); only the routing all-gathers
+  the keys, so that every replica applies the same update.
+  """
+  if layout.placement != REPLICATED:
+    keys_all, weights_all = gather_entries(layout, ids, weights)
+    if with_routing:
+      return serve_and_route(layout, backend, table, keys_all, weights_all,
+                             kernel_config)
+    return serve(layout, backend, table, keys_all, weights_all,
+                 kernel_config)
+  entries = local_entries(layout, ids, weights)
+  mine = dataclasses.replace(layout, ctx=dataclasses.replace(
+      layout.ctx, group_size=1))
+  served = gather_served(mine, backend, table,
+                         *split_entries(layout, entries[None]),
+                         kernel_config)
+  embs = split_rows(layout, served[0])
+  if not with_routing:
+    return embs
+  gathered = exchange.all_gather_ids(layout.ctx, entries).reshape(
+      layout.ctx.group_size, -1)
+  routing = route(layout, *split_entries(layout, gathered))
+  return embs, routing._replace(unique_tokens=_after_served(
+      layout, routing.unique_tokens, served))
+
+
+def route_stack(layout: StackLayout, ids, weights) -> StackRouting:
+  return route(layout, *gather_entries(layout, ids, weights))
+
+
+def dense_grad_stack(layout: StackLayout, table, ids, weights, cotangents):
+  return dense_grad(layout, table, *gather_entries(layout, ids, weights),
+                    cotangents)

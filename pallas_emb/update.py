@@ -39,6 +39,9 @@ class UpdateStats(NamedTuple):
 
 UPDATE_STATS_SPEC = UpdateStats(P(), P(), P(), P())
 
+# What `update_from_sums` sums over the communicator (see there).
+COLUMNS, ROWS, NONE = "columns", "rows", "none"
+
 
 def _ordered_sum(x: jax.Array, axes) -> jax.Array:
   """A psum whose f32 summation order is fixed (rank order).
@@ -53,7 +56,7 @@ def _ordered_sum(x: jax.Array, axes) -> jax.Array:
 
 def update_from_routed(ctx: EmbeddingContext, opt, backend: str, table,
                        opt_state, routed, segments, unique_tokens, pending,
-                       num_overflow, kernel_config=None):
+                       num_overflow, kernel_config=None, norms=COLUMNS):
   """The update on one rank, once the gradients are routed.
 
   `routed` `[N, S]` holds this rank's columns of the gradient of every token
@@ -65,26 +68,32 @@ def update_from_routed(ctx: EmbeddingContext, opt, backend: str, table,
       config=kernel_config.segment_sum if kernel_config else None)
   return update_from_sums(ctx, opt, backend, table, opt_state, grad_accum,
                           row_sq, unique_tokens, pending, num_overflow,
-                          kernel_config)
+                          kernel_config, norms)
 
 
 def update_from_sums(ctx: EmbeddingContext, opt, backend: str, table,
                      opt_state, grad_accum, row_sq, unique_tokens, pending,
-                     num_overflow, kernel_config=None):
+                     num_overflow, kernel_config=None, norms=COLUMNS):
   """The update on one rank from this rank's segment sums.
 
   `grad_accum` f32 `[U, S]` and `row_sq` `[U + 1]` as
-  `kernels.segment_sum_rows` returns them for this rank's tokens. The
-  row norms are summed over the communicator (full width); the step is
-  applied only where the gradient norm is finite and `pending` is true.
+  `kernels.segment_sum_rows` returns them for this rank's tokens. `norms`
+  says what the communicator adds to them: COLUMNS (a rank holds columns:
+  each row's norm is summed over the ranks, full width), ROWS (a rank holds
+  whole rows of its own: only the total is summed) or NONE (every rank
+  holds every row). The step is applied only where the gradient norm is
+  finite and `pending` is true, the same on every rank.
   """
   num_unique = unique_tokens.shape[0]
   if ctx.replica_axis:
     # Every replica applies the same update: sum all replicas' rows first.
     grad_accum = _ordered_sum(grad_accum, ctx.replica_axis)
     row_sq = common.row_square_sums(grad_accum, table.dtype)
-  if ctx.group_size > 1:
+  if ctx.group_size > 1 and norms == COLUMNS:
     row_sq = _ordered_sum(row_sq, ctx.table_axis)
+  elif ctx.group_size > 1 and norms == ROWS:
+    row_sq = row_sq.at[num_unique].set(
+        _ordered_sum(row_sq[num_unique], ctx.table_axis))
   norm = jnp.sqrt(row_sq[num_unique])
   apply = (jnp.isfinite(norm) & pending
            & opt.scalars_are_valid(opt_state.step))

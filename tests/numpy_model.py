@@ -254,3 +254,50 @@ class Ftrl(SparseModel):
     z = self.linear[tok]
     quadratic = p_new / self.lr + F32(2) * self.l2
     return rnd((np.clip(z, -self.l1, self.l1) - z) / quadratic, self.dtype)
+
+
+# ---------------------------------------------------------------------------
+# Lookups of a collection's features, from the documented semantics: an id
+# is wrapped once (negative: += vocab_rows), then clamped into its table; a
+# pooled bag is `sum_k c_k * row_k` in f32, entry by entry, rounded once to
+# the table dtype, with combiner weights c (`sum`: w, `mean`: w / sum(w),
+# `sqrtn`: w / sqrt(sum(w^2)); the padding id weighs 0).
+# ---------------------------------------------------------------------------
+
+
+def wrap_clamp(ids, vocab_rows):
+  raw = np.asarray(ids).astype(np.int64)
+  return np.clip(np.where(raw < 0, raw + vocab_rows, raw), 0, vocab_rows - 1)
+
+
+def trains(ids, vocab_rows, padding_id):
+  """Which ids train: inside the table after one wrap, not the padding id."""
+  raw = np.asarray(ids).astype(np.int64)
+  wrapped = np.where(raw < 0, raw + vocab_rows, raw)
+  ok = (wrapped >= 0) & (wrapped < vocab_rows)
+  return ok if padding_id is None else ok & (raw != padding_id)
+
+
+def combiner_weights(ids, weights, combiner, padding_id):
+  """f32 `[B, L]` weights each entry enters its bag's pool with."""
+  w = np.asarray(weights, F32).copy()
+  if padding_id is not None:
+    w[np.asarray(ids) == padding_id] = 0
+  if combiner == "sum":
+    return w
+  total = np.zeros(w.shape[0], F32)
+  for k in range(w.shape[1]):  # in entry order
+    total += w[:, k] if combiner == "mean" else w[:, k] * w[:, k]
+  if combiner == "sqrtn":
+    total = np.sqrt(total)
+  total = np.where(total != 0, total, F32(1))[:, None]
+  return np.where(w != 0, w / total, F32(0)).astype(F32)
+
+
+def pool(table, ids, cw):
+  """`[B, D]` pooled rows of `[B, L]` bags with combiner weights `cw`."""
+  rows = table[wrap_clamp(ids, table.shape[0])].astype(F32)
+  acc = np.zeros((ids.shape[0], table.shape[1]), F32)
+  for k in range(ids.shape[1]):
+    acc = acc + (cw[:, k:k + 1] * rows[:, k]).astype(F32)
+  return acc.astype(table.dtype)

@@ -1,0 +1,135 @@
+"""Where a stack's rows live: its physical array and its logical tables.
+
+`plan.py` says which placement each stack has; this module turns a stack's
+logical tables (and their optimizer state) into its physical array and
+back, and gives the sharding of each. Checkpoints and `table_arrays` see
+only logical tables, so a state moves between placements through them.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from pallas_emb.plan import StackPlan
+
+COLUMN = "column"
+ROW = "row"
+TABLE = "table"
+REPLICATED = "replicated"
+
+
+def _state(opt, arrays, step):
+  """`opt`'s state NamedTuple of these slot arrays and step."""
+  return opt._state(arrays, step)  # pylint: disable=protected-access
+
+
+def table_spec(stack: StackPlan, table_axis) -> P:
+  """The PartitionSpec of a stack's physical table."""
+  if stack.placement == COLUMN:
+    return P(None, table_axis)
+  if stack.placement == REPLICATED:
+    return P()
+  return P(table_axis)  # row, table: rows over the ranks
+
+
+def state_specs(stack: StackPlan, table_axis):
+  """The PartitionSpecs of a stack's optimizer state (None: no optimizer).
+
+  Column: row-wise state replicated, element-wise like the table. Row and
+  table: every slot's rows with the table's rows (row-wise state is never
+  replicated). Replicated: everything on every rank.
+  """
+  opt = stack.optimizer
+  if opt is None:
+    return None
+  spec = table_spec(stack, table_axis)
+  if stack.placement == COLUMN:
+    return opt.state_specs(spec)
+  return _state(opt, {s.name: spec for s in opt.slots()}, P())
+
+
+def fresh_state(stack: StackPlan, mesh, table_axis):
+  """A stack's initial optimizer state on its shardings."""
+  opt = stack.optimizer
+  if opt is None:
+    return None
+  table = NamedSharding(mesh, table_spec(stack, table_axis))
+  replicated = NamedSharding(mesh, P())
+  if stack.placement == COLUMN:
+    return opt.init_state(stack.total_rows, replicated, table,
+                          emb_width=stack.emb_width)
+  arrays = {}
+  for slot in opt.slots():  # every slot's rows where the table's are
+    shape = (stack.total_rows,) + (
+        (stack.emb_width,) if slot.kind == "element" else ())
+    arrays[slot.name] = jnp.full(shape, slot.init, slot.dtype, device=table)
+  return _state(opt, arrays, jnp.zeros((), jnp.int32, device=replicated))
+
+
+def to_physical(stack: StackPlan, parts: Sequence[jax.Array]) -> jax.Array:
+  """The stack's tables (or one state array of each, `[rows, ...]`, in
+  `stack.tables` order) laid out as its physical array (traceable)."""
+  if stack.placement == TABLE:
+    pieces, end = [], 0
+    for part, offset in zip(parts, stack.row_offsets):
+      if offset > end:
+        pieces.append(jnp.zeros((offset - end,) + part.shape[1:],
+                                part.dtype))
+      pieces.append(part)
+      end = offset + part.shape[0]
+    if stack.total_rows > end:
+      pieces.append(jnp.zeros((stack.total_rows - end,)
+                              + parts[0].shape[1:], parts[0].dtype))
+    return jnp.concatenate(pieces)
+  x = jnp.concatenate(parts) if len(parts) > 1 else parts[0]
+  if stack.placement != ROW:
+    return x
+  w, local = stack.ranks, stack.local_rows
+  x = jnp.pad(x, [(0, w * local - x.shape[0])] + [(0, 0)] * (x.ndim - 1))
+  # Stacked row g = l * W + r goes to rank r, local row l.
+  return x.reshape((local, w) + x.shape[1:]).swapaxes(0, 1).reshape(
+      x.shape)
+
+
+def from_physical(stack: StackPlan, x: jax.Array) -> list[jax.Array]:
+  """The inverse of `to_physical`: one array per table (traceable)."""
+  if stack.placement == ROW:
+    w, local = stack.ranks, stack.local_rows
+    x = x.reshape((w, local) + x.shape[1:]).swapaxes(0, 1).reshape(x.shape)
+  return [x[offset:offset + rows]
+          for offset, rows in zip(stack.row_offsets, stack.vocab_rows)]
+
+
+def _slot_names(stack: StackPlan) -> tuple[str, ...]:
+  return tuple(s.name for s in stack.optimizer.slots())
+
+
+def state_to_physical(stack: StackPlan, states: Sequence[Any]):
+  """The stack's optimizer state from its tables' states (traceable)."""
+  opt = stack.optimizer
+  arrays = {name: to_physical(stack, [getattr(s, name) for s in states])
+            for name in _slot_names(stack)}
+  step = jnp.max(jnp.stack([jnp.asarray(s.step) for s in states]))
+  return _state(opt, arrays, step)
+
+
+def state_from_physical(stack: StackPlan, state) -> list[Any]:
+  """Per table of the stack, the optimizer state of its rows (traceable)."""
+  opt = stack.optimizer
+  names = _slot_names(stack)
+  per_slot = {name: from_physical(stack, getattr(state, name))
+              for name in names}
+  return [_state(opt, {name: per_slot[name][i] for name in names},
+                 state.step) for i in range(len(stack.tables))]
+
+
+@functools.lru_cache(maxsize=256)
+def jitted(fn, stack: StackPlan, out_shardings):
+  """`fn(stack, x)` (one of the conversions above) jitted onto
+  `out_shardings`, compiled once per stack."""
+  return jax.jit(functools.partial(fn, stack), out_shardings=out_shardings)

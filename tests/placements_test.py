@@ -1,0 +1,555 @@
+"""Row, table and replicated placements against the numpy model.
+
+The model (numpy_model.py) knows nothing of placements, stacks or ranks:
+every feature looks its ids up in its own logical table, and an update
+step is, per table, the optimizer on the summed gradients of every entry
+that trains (a pooled entry's gradient is its bag's times its combiner
+weight). Owners sum a row's pieces in sender order, not in entry order, so
+f32 tables after updates compare with the tolerance of reordered sums;
+lookups of the current tables compare exactly.
+"""
+
+import dataclasses
+import os
+import tempfile
+
+import test_util
+
+from absl import logging
+from absl.testing import absltest
+from absl.testing import parameterized
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+import numpy_model
+import pallas_emb as pe
+from pallas_emb import checkpoint
+from pallas_emb import flax as pe_flax
+from pallas_emb import row
+from pallas_emb.testing import hlo
+
+PLACEMENTS = ("column", "row", "table", "replicated")
+
+
+def edge_ids(rng, shape, vocab):
+  """Zipf-ish ids (duplicates within and across ranks) with the padding
+  candidates 0 and 3, -1, -vocab (wrapped), past the end and int32
+  extremes (clamped, never trained)."""
+  n = int(np.prod(shape))
+  ids = (np.minimum(rng.zipf(1.3, n), vocab + 3) - 1) * rng.choice([-1, 1], n)
+  edges = [0, -1, vocab - 1, vocab, -vocab, -vocab - 1, 2**31 - 1, -2**31]
+  k = min(len(edges), n // 3)
+  ids[rng.choice(n, k, replace=False)] = edges[:k]
+  return ids.reshape(shape).astype(np.int32)
+
+
+def random_collection(seed, ranks):
+  """3-5 tables of every placement (widths 4-128, f32 / bf16, row-wise
+  Adagrad or SGD, padding or not), sequence, pooled and weighted features."""
+  rng = np.random.default_rng(seed)
+  mesh = test_util.mesh({"x": ranks})
+  opts = [pe.RowwiseAdagrad(0.1), pe.Sgd(0.05)]
+  tables, features, shapes = [], [], {}
+  batch_size = ranks * int(rng.integers(1, 3))
+  for t in range(int(rng.integers(3, 6))):
+    placement = PLACEMENTS[(seed + t) % 4]
+    widths = [w for w in (4, 8, 16, 32, 64, 128)
+              if placement != "column" or w % ranks == 0]
+    tables.append(pe.TableSpec(
+        f"t{t}", int(rng.integers(5, 50)),
+        int(rng.choice(widths[:3])) if rng.random() < 0.8
+        else int(rng.choice(widths)),
+        optimizer=opts[int(rng.integers(2))],
+        dtype=[jnp.float32, jnp.bfloat16][int(rng.integers(2))],
+        padding_id=[None, 0, 3][int(rng.integers(3))], placement=placement))
+    for f in range(int(rng.integers(1, 3))):
+      kind = int(rng.integers(3))
+      combiner = None if kind == 0 else ["sum", "mean", "sqrtn"][
+          int(rng.integers(3))]
+      name = f"t{t}_f{f}"
+      features.append(pe.FeatureSpec(name, f"t{t}", combiner=combiner,
+                                     weighted=kind == 2))
+      shapes[name] = ((batch_size,) if kind == 0 and rng.random() < 0.5
+                      else (batch_size, int(rng.integers(1, 4))))
+  coll = pe.EmbeddingCollection(tables, features, mesh, "x", backend="xla")
+  return coll, shapes, rng
+
+
+def random_batch(coll, shapes, rng):
+  """`(batch, {feature: (ids, weights or None)})`."""
+  batch, raw = {}, {}
+  for f in coll.features.values():
+    ids = edge_ids(rng, shapes[f.name], coll.tables[f.table].vocab_rows)
+    weights = None
+    if f.weighted:
+      weights = rng.choice(np.float32([0, 0.5, 1, 2]), ids.shape)
+      batch[f.name] = pe.Bag(ids, weights=weights)
+    else:
+      batch[f.name] = ids
+    raw[f.name] = (ids, weights)
+  return batch, raw
+
+
+class Model:
+  """Per logical table, the numpy optimizer fed by all of its features."""
+
+  def __init__(self, coll, arrays):
+    self.coll = coll
+    self.models = {}
+    for name, table in arrays.items():
+      opt = coll.tables[name].optimizer
+      cls = (numpy_model.Sgd if isinstance(opt, pe.Sgd)
+             else numpy_model.Adagrad)
+      self.models[name] = cls(np.asarray(table), opt.learning_rate)
+
+  def _cw(self, f, ids, weights):
+    spec = self.coll.tables[f.table]
+    w = np.ones(ids.shape, np.float32) if weights is None else weights
+    return numpy_model.combiner_weights(ids, w, f.combiner, spec.padding_id)
+
+  def lookup(self, raw):
+    out = {}
+    for f in self.coll.features.values():
+      ids, weights = raw[f.name]
+      table = self.models[f.table].table
+      if f.combiner is None:
+        out[f.name] = table[numpy_model.wrap_clamp(ids, table.shape[0])]
+      else:
+        out[f.name] = numpy_model.pool(table, ids,
+                                       self._cw(f, ids, weights))
+    return out
+
+  def step(self, raw, grads):
+    for name, model in self.models.items():
+      spec = self.coll.tables[name]
+      all_ids, all_grads = [], []
+      for f in self.coll.features.values():
+        if f.table != name:
+          continue
+        ids, weights = raw[f.name]
+        g = np.asarray(grads[f.name], np.float32)
+        if f.combiner is None:
+          all_ids.append(ids.reshape(-1))
+          all_grads.append(g.reshape(-1, g.shape[-1]))
+          continue
+        cw = self._cw(f, ids, weights)
+        # A weight-0 entry does not train: an id outside every table.
+        all_ids.append(np.where(cw != 0, ids, 2**30).reshape(-1))
+        all_grads.append((g[:, None, :] * cw[:, :, None]).reshape(
+            -1, g.shape[-1]))
+      ids = np.concatenate(all_ids)
+      model.step(ids, np.concatenate(all_grads), ids.size + 1,
+                 padding_id=spec.padding_id)
+
+
+def assert_tables_close(got, want, msg):
+  got = test_util.as_numpy(got).astype(np.float32)
+  if want.dtype == np.float32:
+    np.testing.assert_allclose(got, want, rtol=2e-6, atol=2e-6, err_msg=msg)
+  else:  # f32 sums in another order: at most one bf16 rounding apart
+    np.testing.assert_allclose(got, want.astype(np.float32), rtol=2**-7,
+                               atol=1e-6, err_msg=msg)
+
+
+def assert_replicas_identical(test, coll, state):
+  """Every device's copy of a replicated stack (and its state) is the
+  same, bit for bit."""
+  for stack in coll.plan.stacks:
+    if stack.placement != "replicated":
+      continue
+    for leaf in jax.tree.leaves(state.stacks[stack.name]):
+      shards = [np.asarray(s.data) for s in leaf.addressable_shards]
+      test.assertLen(shards, coll.group_size)
+      for i, shard in enumerate(shards[1:], 1):
+        np.testing.assert_array_equal(
+            shard.reshape(-1).view(np.uint8),
+            shards[0].reshape(-1).view(np.uint8),
+            err_msg=f"{stack.name} replica {i}")
+
+
+class SpecTest(absltest.TestCase):
+
+  def test_bad_placements_raise(self):
+    opt = pe.Sgd(0.1)
+    for kw, match in (
+        (dict(placement="rows"), r"placement='rows' is not a placement"),
+        (dict(placement="row", rank=1), r"rank=1 is given for placement"),
+        (dict(rank=0), r"rank=0 is given for placement='column'"),
+        (dict(placement="table", rank=-1), r"rank=-1; expected an int"),
+        (dict(max_ids_per_partition=4),
+         r"only 'row' and 'table' placements"),
+        (dict(placement="row", max_ids_per_partition=0),
+         r"max_ids_per_partition=0 must be a positive"),
+    ):
+      with self.subTest(kw=kw):
+        with self.assertRaisesRegex(pe.InputError,
+                                    "^pallas_emb TableSpec 't' .*" + match):
+          pe.TableSpec("t", 10, 8, optimizer=opt, **kw)
+    tables = [pe.TableSpec("t", 10, 8, optimizer=opt, placement="table",
+                           rank=4)]
+    with self.assertRaisesRegex(pe.InputError,
+                                r"rank=4 is outside the 4-rank"):
+      pe.EmbeddingCollection(tables, [pe.FeatureSpec("f", "t")],
+                             test_util.mesh({"x": 4}), "x")
+
+  def test_column_only_features_refuse_other_placements(self):
+    spec = pe.TableSpec("t", 10, 8, optimizer=pe.Sgd(0.1), placement="row")
+    feats = [pe.FeatureSpec("f", "t")]
+    with self.assertRaisesRegex(pe.InputError,
+                                r"^pallas_emb TableSpec 't' placement='row' "
+                                r"with replica_axis=\('r',\)"):
+      pe.EmbeddingCollection([spec], feats,
+                             test_util.mesh({"r": 2, "x": 2}), "x",
+                             replica_axis="r")
+    coll = pe.EmbeddingCollection([spec], feats, test_util.mesh({"x": 2}),
+                                  "x")
+    with self.assertRaisesRegex(pe.InputError,
+                                r"^pallas_emb quantize got stacks \['stack0'\] "
+                                "that are not column-placed"):
+      coll.quantize(coll.init(jax.random.key(0)), "int8")
+
+  def test_stacks_group_by_placement(self):
+    opt = pe.Sgd(0.1)
+    tables = [pe.TableSpec(n, 10 + i, 8, optimizer=opt, placement=p)
+              for i, (n, p) in enumerate([("a", "column"), ("b", "row"),
+                                          ("c", "column"), ("d", "table"),
+                                          ("e", "table"),
+                                          ("f", "replicated")])]
+    feats = [pe.FeatureSpec(t.name, t.name) for t in tables]
+    coll = pe.EmbeddingCollection(tables, feats, test_util.mesh({"x": 4}),
+                                  "x")
+    self.assertEqual(
+        [(s.placement, s.tables) for s in coll.plan.stacks],
+        [("column", ("a", "c")), ("row", ("b",)), ("table", ("e", "d")),
+         ("replicated", ("f",))])
+    # The larger e (14 rows) on rank 0, d (13) on rank 1, in row order;
+    # every block as long as the longest.
+    table_stack = coll.plan.stacks[2]
+    self.assertEqual(table_stack.block_rows, 14)
+    self.assertEqual(table_stack.row_offsets, (0, 14))
+    self.assertEqual(table_stack.total_rows, 56)
+    # A width that does not split over the ranks is fine off column.
+    pe.TableSpec("narrow", 10, 2, optimizer=opt, placement="row")
+    other = pe.EmbeddingCollection(
+        [pe.TableSpec(t.name, t.vocab_rows, 8, optimizer=opt)
+         for t in tables], feats, test_util.mesh({"x": 4}), "x")
+    self.assertNotEqual(coll.plan.fingerprint, other.plan.fingerprint)
+
+
+class PlacementModelTest(parameterized.TestCase):
+
+  @parameterized.parameters(1, 2, 4, 8)
+  def test_random_collections(self, ranks):
+    """Lookups and three update steps of random mixed collections."""
+    for seed in (ranks,):
+      coll, shapes, rng = random_collection(seed, ranks)
+      logging.info("placements seed %d:\n%s", seed, coll.plan.describe())
+      with self.subTest(seed=seed):
+        self._check(coll, shapes, rng, f"seed {seed}\n{coll.plan}")
+
+  def _check(self, coll, shapes, rng, msg):
+    state = coll.init(jax.random.key(0))
+    model = Model(coll, {k: test_util.as_numpy(v)
+                         for k, v in coll.table_arrays(state).items()})
+    for step in range(3):
+      batch, raw = random_batch(coll, shapes, rng)
+      emb, routing = coll.lookup_and_route(state, batch)
+      current = Model(coll, {k: test_util.as_numpy(v)
+                             for k, v in coll.table_arrays(state).items()})
+      want = current.lookup(raw)
+      for name, got in emb.items():
+        # Exact (an empty bag may pool to -0.0 on every placement).
+        np.testing.assert_array_equal(
+            test_util.as_numpy(got).astype(np.float32),
+            np.asarray(want[name]).astype(np.float32),
+            err_msg=f"{msg}\nstep {step} lookup {name}")
+      grads = {name: rng.standard_normal(e.shape).astype(e.dtype)
+               for name, e in emb.items()}
+      model.step(raw, grads)
+      state, stats = coll.apply_gradients(state, routing, grads)
+      for stack_stats in stats.values():
+        self.assertEqual(int(stack_stats.valid), 1, msg)
+        self.assertEqual(int(stack_stats.num_overflow), 0, msg)
+    for name, table in coll.table_arrays(state).items():
+      assert_tables_close(table, model.models[name].table, f"{msg}\n{name}")
+    assert_replicas_identical(self, coll, state)
+
+
+class OverflowTest(absltest.TestCase):
+
+  def test_capped_buckets_overflow_loudly(self):
+    """Rank 0 sends owner 0 three distinct rows (0, 2, 4) through a
+    bucket of one: 2 and 4 are served as zeros, never trained, counted,
+    and raise_if_overflow raises; the fitted cap holds them all."""
+    mesh = test_util.mesh({"x": 2})
+    spec = pe.TableSpec("t", 10, 8, optimizer=pe.Sgd(1.0), placement="row",
+                        max_ids_per_partition=1)
+    coll = pe.EmbeddingCollection([spec], [pe.FeatureSpec("f", "t")], mesh,
+                                  "x")
+    batch = {"f": np.array([0, 2, 4, 5, 0, 0], np.int32)}  # rank 0 | rank 1
+    state = coll.init(jax.random.key(0))
+    before = test_util.as_numpy(coll.table_arrays(state)["t"])
+    emb, routing = coll.lookup_and_route(state, batch)
+    got = test_util.as_numpy(emb["f"])
+    np.testing.assert_array_equal(got[[0, 4, 5]], before[[0, 0, 0]])
+    np.testing.assert_array_equal(got[[1, 2]], np.zeros((2, 8)))
+    np.testing.assert_array_equal(got[3], before[5])
+    grads = {"f": np.ones((6, 8), np.float32)}
+    state, stats = coll.apply_gradients(state, routing, grads)
+    self.assertEqual(int(stats["stack0"].num_overflow), 2)
+    with self.assertRaisesRegex(pe.UniqueOverflowError,
+                                r"tables \['t'\] had 2 more distinct ids.*"
+                                r"max_ids_per_partition"):
+      coll.raise_if_overflow(stats)
+    after = test_util.as_numpy(coll.table_arrays(state)["t"])
+    np.testing.assert_array_equal(after[[2, 4]], before[[2, 4]])
+    np.testing.assert_array_equal(after[0], before[0] - 3)  # three entries
+    np.testing.assert_array_equal(after[5], before[5] - 1)
+
+    fitted = coll.fit_max_ids_per_partition([batch])
+    self.assertEqual(fitted.tables["t"].max_ids_per_partition, 1)  # kept
+    uncapped = pe.EmbeddingCollection(
+        [dataclasses.replace(spec, max_ids_per_partition=None)],
+        [pe.FeatureSpec("f", "t")], mesh, "x")
+    self.assertEqual(row.ids_per_partition(uncapped, batch), {"t": 3})
+    fitted = uncapped.fit_max_ids_per_partition([batch], headroom=3)
+    self.assertEqual(fitted.tables["t"].max_ids_per_partition, 16)
+    _, stats = fitted.apply_gradients(fitted.init(jax.random.key(0)), batch,
+                                      grads)
+    self.assertEqual(int(stats["stack0"].num_overflow), 0)
+
+
+def small_collection(placements, ranks=4):
+  """Three tables (two widths, Adagrad and SGD) with the given placements,
+  a sequence and a pooled feature."""
+  mesh = test_util.mesh({"x": ranks})
+  specs = [("a", 30, 8, pe.RowwiseAdagrad(0.1)), ("b", 13, 8,
+                                                   pe.RowwiseAdagrad(0.1)),
+           ("c", 9, 16, pe.Sgd(0.2))]
+  tables = [pe.TableSpec(n, rows, width, optimizer=opt, placement=p)
+            for (n, rows, width, opt), p in zip(specs, placements)]
+  features = [pe.FeatureSpec("fa", "a"), pe.FeatureSpec("fb", "b"),
+              pe.FeatureSpec("fc", "c", combiner="mean")]
+  return pe.EmbeddingCollection(tables, features, mesh, "x")
+
+
+def small_batch(rng, ranks=4):
+  return {"fa": rng.integers(-30, 30, (ranks, 3)).astype(np.int32),
+          "fb": rng.integers(0, 13, (ranks,)).astype(np.int32),
+          "fc": rng.integers(0, 9, (ranks, 2)).astype(np.int32)}
+
+
+class StateTest(absltest.TestCase):
+
+  def test_checkpoint_restores_across_placements(self):
+    """Trained under one placement per table, saved, restored under every
+    other: the same logical tables and optimizer states, bit for bit."""
+    rng = np.random.default_rng(0)
+    coll = small_collection(["row", "table", "replicated"])
+    state = coll.init(jax.random.key(1))
+    for _ in range(2):
+      batch = small_batch(rng)
+      emb = coll.lookup(state, batch)
+      state, _ = coll.apply_gradients(state, batch, jax.tree.map(
+          lambda e: np.asarray(rng.standard_normal(e.shape), e.dtype), emb))
+    want = jax.tree.map(test_util.as_numpy, (coll.table_arrays(state),
+                                             coll.optimizer_arrays(state)))
+    with tempfile.TemporaryDirectory() as directory:
+      path = os.path.join(directory, "ckpt")
+      checkpoint.save_collection(path, coll, state, step=2)
+      for placements in (["column"] * 3, ["table", "replicated", "row"]):
+        other = small_collection(placements)
+        restored, _ = checkpoint.restore_collection(path, other)
+        got = jax.tree.map(test_util.as_numpy, (
+            other.table_arrays(restored), other.optimizer_arrays(restored)))
+        jax.tree.map(np.testing.assert_array_equal, got, want)
+        batch = small_batch(rng)
+        jax.tree.map(np.testing.assert_array_equal,
+                     jax.tree.map(test_util.as_numpy,
+                                  other.lookup(restored, batch)),
+                     jax.tree.map(test_util.as_numpy,
+                                  coll.lookup(state, batch)))
+
+  def test_plan_bytes_match_the_shards(self):
+    """describe()'s bytes per rank are the state arrays' shards on every
+    device."""
+    coll = small_collection(["row", "table", "replicated"])
+    state = coll.init(jax.random.key(0))
+    text = coll.plan.describe()
+    total = [0, 0]
+    for stack in coll.plan.stacks:
+      stack_state = state.stacks[stack.name]
+      for i, part in enumerate((stack_state.table, stack_state.opt_state)):
+        for device in range(coll.group_size):
+          on_device = sum(leaf.addressable_shards[device].data.nbytes
+                          for leaf in jax.tree.leaves(part))
+          self.assertEqual(on_device, stack.rank_bytes()[i], stack.name)
+        total[i] += stack.rank_bytes()[i]
+      self.assertIn(f"{stack.name}: {stack.placement} ", text)
+    self.assertIn("  a: row rows [0, 30)", text)
+    self.assertIn("  b: table rows [0, 13) on rank 0", text)
+    self.assertIn("  c: replicated rows [0, 9)", text)
+    self.assertIn(f"per rank (each of 4): {total[0]} table bytes + "
+                  f"{total[1]} optimizer state bytes", text)
+    # a: 30 rows over 4 ranks, 8 per rank; row-wise Adagrad state too.
+    self.assertEqual(coll.plan.stacks[0].rank_bytes(), (8 * 8 * 4,
+                                                        8 * 4 + 4))
+
+
+class HloTest(absltest.TestCase):
+
+  def test_collectives_per_placement(self):
+    """Row: one all-to-all of ids and one of rows per lookup, one of
+    gradients per update. Replicated: no collective in its lookup."""
+    rng = np.random.default_rng(0)
+    for placement, lookups, updates in (("row", 2, 1), ("replicated", 0, 0)):
+      coll = small_collection([placement, "column", "column"])
+      coll = pe.EmbeddingCollection(
+          [coll.tables["a"]], [coll.features["fa"]], coll.mesh, "x")
+      state = coll.init(jax.random.key(0))
+      batch = {"fa": small_batch(rng)["fa"]}
+      text = jax.jit(coll.lookup).lower(state, batch).compile().as_text()
+      found = hlo.collective_bytes(text, coll.group_size)
+      self.assertEqual(found.get("all-to-all", {}).get("count", 0), lookups,
+                       (placement, found))
+      if placement == "replicated":
+        self.assertEqual(found, {})
+      else:  # W x C int32 ids out, W x C f32 rows back (C = 3 ids a rank)
+        self.assertEqual(found["all-to-all"]["operand_bytes"],
+                         4 * 3 * 4 + 4 * 3 * 8 * 4)
+      emb, routing = coll.lookup_and_route(state, batch)
+      text = jax.jit(coll.apply_gradients).lower(
+          state, routing, emb).compile().as_text()
+      found = hlo.collective_bytes(text, coll.group_size)
+      self.assertEqual(found.get("all-to-all", {}).get("count", 0), updates,
+                       (placement, found))
+      if placement == "row":  # [W, C, D] f32 sums, C = 3 ids per rank
+        self.assertEqual(found["all-to-all"]["operand_bytes"], 4 * 3 * 8 * 4)
+
+  def test_sparse_step_is_in_place(self):
+    """Row and replicated sparse steps (lookup, route, update; the state
+    donated) never materialize a table-sized array: their update writes
+    the touched rows in place, as column's does."""
+    local_rows = 1031  # prime: no per-batch array is this long
+    for placement, rows in (("row", 4 * local_rows),
+                            ("replicated", local_rows)):
+      spec = pe.TableSpec("t", rows, 8, optimizer=pe.RowwiseAdagrad(0.1),
+                          placement=placement)
+      coll = pe.EmbeddingCollection([spec], [pe.FeatureSpec("f", "t")],
+                                    test_util.mesh({"x": 4}), "x",
+                                    backend="xla")
+      state = coll.init(jax.random.key(0))
+      batch = {"f": np.arange(32, dtype=np.int32) * 7}
+      grads = {"f": np.ones((32, 8), np.float32)}
+
+      def step(state, batch, grads, coll=coll):
+        emb, routing = coll.lookup_and_route(state, batch)
+        state, stats = coll.apply_gradients(state, routing, grads)
+        return state, stats, emb
+
+      text = jax.jit(step, donate_argnums=0).lower(
+          state, batch, grads).compile().as_text()
+      bad = hlo.full_table_ops(text, local_rows)
+      self.assertEmpty([f"{b.opcode} {b.name} {b.shape}" for b in bad],
+                       placement)
+
+
+class TrainerTest(absltest.TestCase):
+
+  def test_pipelined_trainer_mixed_placements(self):
+    """The pipelined Trainer over row, table and replicated tables trains
+    as over column ones (f32: up to the owners' sum order)."""
+    rng = np.random.default_rng(3)
+    batches = [dict(small_batch(rng), y=rng.standard_normal(4).astype(
+        np.float32)) for _ in range(4)]
+
+    def loss_fn(params, emb, batch):
+      x = (jnp.sum(emb["fa"], axis=1) + emb["fb"]) @ params["w"]
+      pred = (x + emb["fc"] @ params["v"])[:, 0]
+      return jnp.mean((pred - batch["y"]) ** 2), {}
+
+    results = []
+    for placements in (["column"] * 3, ["row", "table", "replicated"]):
+      # Fresh: the step donates the state.
+      params = {"w": jnp.full((8, 1), 0.1), "v": jnp.full((16, 1), 0.1)}
+      coll = small_collection(placements)
+      trainer = pe.Trainer(coll, loss_fn, optax.sgd(0.1))
+      state = trainer.init(coll.init(jax.random.key(0)), params, batches[0])
+      step = jax.jit(trainer.step, donate_argnums=0)
+      losses = []
+      for batch, following in zip(batches, batches[1:] + batches[-1:]):
+        state, metrics = step(state, batch, following)
+        losses.append(float(metrics.loss))
+      state, _ = trainer.flush(state)
+      results.append((losses, jax.tree.map(
+          test_util.as_numpy, coll.table_arrays(state.embedding))))
+    np.testing.assert_allclose(results[1][0], results[0][0], rtol=1e-5)
+    jax.tree.map(lambda got, want: np.testing.assert_allclose(
+        got, want, rtol=2e-6, atol=2e-6), results[1][1], results[0][1])
+
+
+class FlaxTest(absltest.TestCase):
+
+  def test_flax_layer_mixed_placements(self):
+    """The Flax layer's params are the stacks' physical arrays, placed as
+    the collection places them (not column-sharded), and it looks up what
+    the collection looks up in them."""
+    coll = small_collection(["row", "table", "replicated"])
+    batch = small_batch(np.random.default_rng(0))
+    layer = pe_flax.EmbeddingCollection(coll)
+    params = nn.unbox(jax.jit(layer.init)(jax.random.key(0), batch)[
+        "params"])
+    for stack in coll.plan.stacks:
+      self.assertTrue(params[stack.name].sharding.is_equivalent_to(
+          coll.stack_sharding(stack), 2), stack.name)
+    state = coll.state_from_stacks(params)
+    jax.tree.map(np.testing.assert_array_equal,
+                 jax.tree.map(test_util.as_numpy,
+                              layer.apply({"params": params}, batch)),
+                 jax.tree.map(test_util.as_numpy, coll.lookup(state, batch)))
+
+
+class DenseGradTest(absltest.TestCase):
+
+  def test_jax_grad_of_lookup(self):
+    """Plain jax.grad of a lookup: per logical table, the scatter-add of
+    every training entry's gradient (padding and clamped ids add none)."""
+    rng = np.random.default_rng(5)
+    coll = small_collection(["row", "table", "replicated"])
+    state = coll.init(jax.random.key(0))
+    batch = small_batch(rng)
+    batch["fa"][0, :2] = [-31, 30]  # wrapped once, still outside: no grad
+    cts = jax.tree.map(
+        lambda e: rng.standard_normal(e.shape).astype(np.float32),
+        coll.lookup(state, batch))
+
+    def loss(tables):
+      embs = coll.lookup(coll.state_from_stacks(tables), batch)
+      return sum(jnp.sum(embs[k] * cts[k]) for k in embs)
+
+    grads = jax.grad(loss)({n: s.table for n, s in state.stacks.items()})
+    got = coll.table_arrays(coll.state_from_stacks(grads))
+    model = Model(coll, {k: test_util.as_numpy(v)
+                         for k, v in coll.table_arrays(state).items()})
+    for name, table in got.items():
+      spec = coll.tables[name]
+      want = np.zeros((spec.vocab_rows, spec.emb_width), np.float32)
+      for f in coll.features.values():
+        if f.table != name:
+          continue
+        ids = batch[f.name]
+        g = cts[f.name]
+        if f.combiner is not None:
+          g = g[:, None, :] * model._cw(f, ids, None)[:, :, None]
+        ok = numpy_model.trains(ids, spec.vocab_rows, spec.padding_id)
+        np.add.at(want, numpy_model.wrap_clamp(ids, spec.vocab_rows)[ok],
+                  g[ok])
+      np.testing.assert_allclose(test_util.as_numpy(table), want, rtol=2e-6,
+                                 atol=2e-6, err_msg=name)
+
+
+if __name__ == "__main__":
+  absltest.main()
