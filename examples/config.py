@@ -196,6 +196,10 @@ class SeqRecConfig:
       "all 6,040 (smoke tests).")
   max_len: int = _field(200, "History length fed to the model (the most "
                         "recent items).")
+  length_buckets: str = _field(
+      "64,128", "Comma-separated history lengths below max_len: a batch "
+      "holds users of one bucket, cut to its length (attention costs the "
+      "square of the length); '' : every batch is max_len long.")
   train_on_valid: bool = _field(
       False, "Train on train + validation items, as the HSTU code does (the "
       "validation metrics then see their target in training: only test is "

@@ -91,28 +91,50 @@ def load(path: str, *, max_users: int, max_len: int, train_on_valid: bool,
       test_targets=split.test, num_items=seqs.num_items, item_rows=item_rows)
 
 
-def steps_per_epoch(data: SeqData, batch_size: int) -> int:
-  return -(-data.num_users // batch_size)
+def bucket_of(data: SeqData, buckets: tuple[int, ...]) -> np.ndarray:
+  """int `[U]`: the index of the shortest bucket length >= each user's
+  training positions (the last bucket holds the rest)."""
+  positions = np.count_nonzero(data.inputs, axis=1)
+  return np.minimum(np.searchsorted(np.asarray(buckets), positions),
+                    len(buckets) - 1)
+
+
+def steps_per_epoch(data: SeqData, batch_size: int,
+                    buckets: tuple[int, ...] = ()) -> int:
+  buckets = buckets or (data.inputs.shape[1],)
+  counts = np.bincount(bucket_of(data, buckets), minlength=len(buckets))
+  return int(sum(-(-n // batch_size) for n in counts))
 
 
 def batches(data: SeqData, *, batch_size: int, num_negatives: int,
-            seed: int) -> Iterator[dict[str, np.ndarray]]:
+            seed: int, buckets: tuple[int, ...] = ()
+            ) -> Iterator[dict[str, np.ndarray]]:
   """Training batches forever: every user once per epoch, shuffled.
 
-  The last batch of an epoch is filled with all-padding rows (no loss).
+  With `buckets` (ascending history lengths, the last = the full width),
+  a batch holds users of one bucket and only the bucket's last columns:
+  most users have far fewer than 200 items, and attention costs the
+  square of the length. The batches of an epoch come in random order; the
+  last batch of each bucket is filled with all-padding rows (no loss).
   Negatives are uniform over the items, `[B, N]` per example, drawn with
   replacement. "step" counts batches (the model's dropout key).
   """
   rng = np.random.default_rng([seed, 2])
-  per_epoch = steps_per_epoch(data, batch_size)
+  buckets = buckets or (data.inputs.shape[1],)
+  members = bucket_of(data, buckets)
   step = 0
   while True:
-    order = np.full(per_epoch * batch_size, -1)
-    order[:data.num_users] = rng.permutation(data.num_users)
-    for chunk in order.reshape(per_epoch, batch_size):
+    chunks = []
+    for k, length in enumerate(buckets):
+      users = rng.permutation(np.flatnonzero(members == k))
+      order = np.full(-(-users.size // batch_size) * batch_size, -1)
+      order[:users.size] = users
+      chunks += [(length, c) for c in order.reshape(-1, batch_size)]
+    for i in rng.permutation(len(chunks)):
+      length, chunk = chunks[i]
       real = (chunk >= 0)[:, None]
-      history = np.where(real, data.inputs[chunk], 0)
-      positives = np.where(real, data.targets[chunk], 0)
+      history = np.where(real, data.inputs[chunk, -length:], 0)
+      positives = np.where(real, data.targets[chunk, -length:], 0)
       negatives = rng.integers(1, data.num_items + 1,
                                (batch_size, num_negatives)).astype(np.int32)
       rows = data.item_rows

@@ -25,8 +25,11 @@ class RankingEvaluator:
   """`(state, history, targets) -> metrics` of a trainer's state."""
 
   def __init__(self, trainer, encoder: model_lib.Encoder,
-               item_rows: np.ndarray, batch_size: int, multiple: int):
+               item_rows: np.ndarray, batch_size: int):
     self.trainer = trainer
+    # Users shard over the devices like the training batches.
+    self._sharding = trainer.collection.token_sharding()
+    multiple = trainer.collection.mesh.size
     self.seconds = 0.0  # spent evaluating, left out of the training time
     self.batch_size = -(-batch_size // multiple) * multiple
     item_rows = np.asarray(item_rows)
@@ -54,7 +57,8 @@ class RankingEvaluator:
       real = part.shape[0]
       padded = np.zeros((size,) + part.shape[1:], part.dtype)
       padded[:real] = part
-      scores = np.asarray(self._scores(state, padded))[:real]
+      scores = np.asarray(self._scores(
+          state, jax.device_put(padded, self._sharding)))[:real]
       out.append(datasets.target_ranks(scores, targets[start:start + real],
                                        exclude=part))
     return np.concatenate(out)

@@ -137,12 +137,15 @@ class SeqRec(nn.Module):
             "neg": l2_normalize(enc.items(emb[NEGATIVES]))}
 
 
-def make_loss(temperature: float):
+def make_loss(temperature: float, positions_per_batch: float):
   """Sampled softmax over the non-padding positions; aux {"loss"}.
 
   Position t of example b scores its positive against the example's N
   negatives (shared by its positions); a negative equal to the positive is
-  masked out.
+  masked out. The sum over the batch's positions is divided by
+  `positions_per_batch`, the expected count of a batch of random users
+  (not the batch's own count): batches of users with short histories
+  (length buckets) then do not weigh each position more.
   """
   def loss(outputs, batch):
     user, pos, neg = outputs["user"], outputs["pos"], outputs["neg"]
@@ -154,6 +157,6 @@ def make_loss(temperature: float):
     logits = jnp.concatenate([pos_logit[..., None], neg_logit], axis=-1)
     per_position = jax.nn.logsumexp(logits, axis=-1) - pos_logit
     weight = (pos_items != 0).astype(jnp.float32)
-    value = jnp.sum(per_position * weight) / jnp.maximum(jnp.sum(weight), 1)
+    value = jnp.sum(per_position * weight) / positions_per_batch
     return value, {"loss": value}
   return loss

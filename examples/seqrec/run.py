@@ -50,6 +50,21 @@ def check_config(config: SeqRecConfig) -> None:
     fail("emb_optimizer", f"one of {OPTIMIZERS}")
   if config.hashed and config.hash_rows < 2:
     fail("hash_rows", "at least 2 rows (row 0 is padding)")
+  buckets(config)
+
+
+def buckets(config: SeqRecConfig) -> tuple[int, ...]:
+  """The length buckets, max_len last; raises ConfigError."""
+  try:
+    lengths = [int(x) for x in config.length_buckets.split(",") if x.strip()]
+  except ValueError:
+    lengths = [0]
+  if any(not 0 < n < config.max_len for n in lengths) or (
+      lengths != sorted(set(lengths))):
+    raise ConfigError(
+        f"{PROGRAM}: --length_buckets={config.length_buckets!r}; expected "
+        f"ascending comma-separated lengths in [1, {config.max_len}) or ''.")
+  return tuple(lengths) + (config.max_len,)
 
 
 def sparse_optimizer(config: SeqRecConfig):
@@ -71,6 +86,7 @@ class Run:
 
 
 def build(config: SeqRecConfig, data: data_lib.SeqData) -> Run:
+  """The collection, encoder and trainer of a config."""
   mesh = jax.sharding.Mesh(np.array(jax.devices()), ("x",))
   if config.batch_size % mesh.size:
     raise ConfigError(f"{PROGRAM}: --batch_size={config.batch_size} must be "
@@ -97,8 +113,11 @@ def build(config: SeqRecConfig, data: data_lib.SeqData) -> Run:
   seqrec = model_lib.SeqRec(collection, encoder, seed=config.seed)
   dense = optax.adamw(config.dense_lr, b1=0.9, b2=config.dense_b2,
                       weight_decay=config.dense_weight_decay)
+  positions = config.batch_size * float(np.mean(
+      np.count_nonzero(data.targets, axis=1)))
   trainer = FlaxTrainer(seqrec, collection,
-                        model_lib.make_loss(config.temperature), dense,
+                        model_lib.make_loss(config.temperature, positions),
+                        dense,
                         pipelined=config.pipelined)
   return Run(config, data, collection, encoder, trainer)
 
@@ -114,7 +133,8 @@ def train(config: SeqRecConfig, log: Callable[[str], None] = print) -> dict:
                        hash_rows=config.hash_rows if config.hashed else None)
   run = build(config, data)
   sharding = run.collection.token_sharding()
-  per_epoch = data_lib.steps_per_epoch(data, config.batch_size)
+  lengths = buckets(config)
+  per_epoch = data_lib.steps_per_epoch(data, config.batch_size, lengths)
   total = per_epoch * config.epochs
   log(f"{PROGRAM}: MovieLens-1M, {data.num_users} users, {data.num_items} "
       f"items, history {config.max_len}; SASRec d={config.emb_dim}, "
@@ -123,17 +143,16 @@ def train(config: SeqRecConfig, log: Callable[[str], None] = print) -> dict:
       f"{run.collection.tables[TABLE].emb_width} ({config.emb_optimizer}"
       f"{', hashed ids' if config.hashed else ''}); {jax.device_count()} "
       f"{jax.devices()[0].platform} devices; {config.epochs} epochs x "
-      f"{per_epoch} steps of {config.batch_size} users.")
+      f"{per_epoch} steps of {config.batch_size} users, lengths {lengths}.")
 
   stream = data_lib.batches(data, batch_size=config.batch_size,
                             num_negatives=config.num_negatives,
-                            seed=config.seed)
+                            seed=config.seed, buckets=lengths)
   current = place(next(stream), sharding)
   params = run.trainer.model.init(jax.random.key(config.seed), current)
   state = run.trainer.init(params["params"], current)
   evaluator = evaluate.RankingEvaluator(
-      run.trainer, run.encoder, data.item_rows, config.eval_batch_size,
-      jax.device_count())
+      run.trainer, run.encoder, data.item_rows, config.eval_batch_size)
   step_fn = jax.jit(run.trainer.step, donate_argnums=0)
   curve, losses, skipped = [], [], 0
   t_first = None
@@ -152,7 +171,7 @@ def train(config: SeqRecConfig, log: Callable[[str], None] = print) -> dict:
     if t_first is None:
       t_first = time.perf_counter()
     if step % config.log_every == 0 or step == total:
-      rate = ((step - 1) * config.batch_size /
+      rate = ((step - 1) * data.num_users / per_epoch /
               (time.perf_counter() - t_first - evaluator.seconds)
               if step > 1 else float("nan"))
       log(f"step {step:>6d}/{total}  loss "
@@ -170,7 +189,9 @@ def train(config: SeqRecConfig, log: Callable[[str], None] = print) -> dict:
   jax.block_until_ready(state)
   t_end = time.perf_counter()
   train_seconds = t_end - t_start - evaluator.seconds
-  timed = (total - 1) * config.batch_size
+  # Real users (not the padding rows of partial batches) trained per
+  # second, without the first (compiling) step.
+  timed = data.num_users * config.epochs * (total - 1) / total
   throughput = timed / (t_end - t_first - evaluator.seconds)
   test = evaluator(state, data.test_history, data.test_targets)
   metrics = {
@@ -182,8 +203,6 @@ def train(config: SeqRecConfig, log: Callable[[str], None] = print) -> dict:
       "train_seconds": train_seconds, "eval_seconds": evaluator.seconds,
       "wall_seconds": time.perf_counter() - t_start,
       "examples_per_sec": throughput,
-      "positions_per_sec": throughput * float(np.mean(data.inputs != 0)
-                                              ) * config.max_len,
       "skipped_updates": skipped,
       **{k: v for k, v in curve[-1].items() if k.startswith("valid_")},
       **{f"test_{k}": v for k, v in test.items()},
