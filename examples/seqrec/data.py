@@ -69,10 +69,19 @@ class SeqData:
 
 def load(path: str, *, max_users: int, max_len: int, train_on_valid: bool,
          hash_rows: int | None = None) -> SeqData:
-  """Raises datasets.DataError for missing or malformed data."""
+  """MovieLens-1M (found, or downloaded when `path` is ''): `from_sequences`.
+
+  Raises datasets.DataError for missing or malformed data.
+  """
   seqs = datasets.load_movielens1m(
       datasets.find_movielens1m(path or None, download=not path))
-  seqs = first_users(seqs, max_users)
+  return from_sequences(first_users(seqs, max_users), max_len=max_len,
+                        train_on_valid=train_on_valid, hash_rows=hash_rows)
+
+
+def from_sequences(seqs: Sequences, *, max_len: int, train_on_valid: bool,
+                   hash_rows: int | None = None) -> SeqData:
+  """Leave-one-out windows and evaluation rows of `seqs`."""
   split = datasets.leave_one_out(seqs)
   train = seqs.drop_last(1) if train_on_valid else split.train
   window = right_aligned(train, max_len + 1)
