@@ -234,6 +234,9 @@ class SeqRecConfig:
       "0.9 / dense_b2), 'rowwise_adagrad' or 'sgd'.")
   emb_lr: float = _field(1e-3, "Learning rate of the item table.")
   emb_eps: float = _field(1e-8, "eps of the table's optimizer.")
+  max_minutes: float = _field(
+      0.0, "Stop at the end of the first epoch after this many minutes of "
+      "training (evaluation not counted), then test; 0: run every epoch.")
   pipelined: bool = _field(True, "Pipelined one-step-stale step.")
   backend: str = _field("", "Kernel backend ('' = platform default).")
   seed: int = _field(42, "Seed of the init, dropout, negatives, shuffling.")

@@ -43,6 +43,8 @@ def check_config(config: SeqRecConfig) -> None:
     fail("num_heads", f"a divisor of --emb_dim={config.emb_dim}")
   if not 0 <= config.dropout < 1:
     fail("dropout", "a rate in [0, 1)")
+  if config.max_minutes < 0:
+    fail("max_minutes", "0 (no limit) or a positive number of minutes")
   for name in ("temperature", "dense_lr", "emb_lr"):
     if not getattr(config, name) > 0:
       fail(name, "a positive number")
@@ -156,30 +158,41 @@ def train(config: SeqRecConfig, log: Callable[[str], None] = print) -> dict:
   step_fn = jax.jit(run.trainer.step, donate_argnums=0)
   curve, losses, skipped = [], [], 0
   t_first = None
-  for step in range(1, total + 1):
+  users_per_step = data.num_users / per_epoch
+  step = 0
+  while step < total:
+    step += 1
     following = place(next(stream), sharding)
     if config.pipelined:
       state, metrics = step_fn(state, current, following)
     else:
       state, metrics = step_fn(state, current)
     current = following
-    # Many queued steps can deadlock XLA:CPU's in-process collectives.
     losses.append(metrics.aux["loss"])
+    # Many queued steps can deadlock XLA:CPU's in-process collectives.
     jax.block_until_ready(metrics.loss)
     skipped += sum(int(s.pending and not s.valid)
                    for s in jax.device_get(metrics.updates).values())
     if t_first is None:
       t_first = time.perf_counter()
     if step % config.log_every == 0 or step == total:
-      rate = ((step - 1) * data.num_users / per_epoch /
+      rate = ((step - 1) * users_per_step /
               (time.perf_counter() - t_first - evaluator.seconds)
               if step > 1 else float("nan"))
       log(f"step {step:>6d}/{total}  loss "
           f"{float(np.mean(jax.device_get(losses[-config.log_every:]))):.4f}"
           f"  {rate:,.0f} users/s  ETA "
-          f"{fmt_time((total - step) * config.batch_size / rate)}")
+          f"{fmt_time((total - step) * users_per_step / rate)}")
     epoch, rest = divmod(step, per_epoch)
-    if rest == 0 and (epoch % config.eval_every == 0 or step == total):
+    if rest:
+      continue
+    out_of_time = (config.max_minutes and time.perf_counter() - t_start
+                   - evaluator.seconds >= 60 * config.max_minutes)
+    if out_of_time:
+      log(f"stopping after epoch {epoch}: --max_minutes="
+          f"{config.max_minutes} of training have passed.")
+      total = step
+    if epoch % config.eval_every == 0 or step == total:
       valid = evaluator(state, data.valid_history, data.valid_targets)
       epoch_loss = float(np.mean(jax.device_get(losses[-per_epoch:])))
       curve.append(dict(epoch=epoch, train_loss=epoch_loss,
@@ -191,15 +204,15 @@ def train(config: SeqRecConfig, log: Callable[[str], None] = print) -> dict:
   train_seconds = t_end - t_start - evaluator.seconds
   # Real users (not the padding rows of partial batches) trained per
   # second, without the first (compiling) step.
-  timed = data.num_users * config.epochs * (total - 1) / total
-  throughput = timed / (t_end - t_first - evaluator.seconds)
+  throughput = ((total - 1) * users_per_step /
+                (t_end - t_first - evaluator.seconds))
   test = evaluator(state, data.test_history, data.test_targets)
   metrics = {
       "config": dataclasses.asdict(config),
       "model": "SASRec", "dataset": "movielens-1m",
       "users": data.num_users, "items": data.num_items,
       "devices": jax.device_count(), "platform": jax.devices()[0].platform,
-      "epochs": config.epochs, "steps": total,
+      "epochs": total // per_epoch, "steps": total,
       "train_seconds": train_seconds, "eval_seconds": evaluator.seconds,
       "wall_seconds": time.perf_counter() - t_start,
       "examples_per_sec": throughput,
