@@ -5,21 +5,30 @@ models of their documented semantics, and a smoke run on a user subset of
 the real data that must beat ranking by popularity.
 """
 
+import dataclasses
+import json
 import os
+import tempfile
 
 import test_util  # pylint: disable=unused-import  # 8 CPU devices first
+from absl import flags
 from absl.testing import absltest
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from examples import cli
+from examples import train as train_lib
+from examples.config import ConfigError
+from examples.config import load_config
 from examples.config import SeqRecConfig
 from examples.seqrec import data as data_lib
 from examples.seqrec import model as model_lib
-from examples.seqrec import run as run_lib
 from pallas_emb import datasets
 from pallas_emb.datasets import movielens1m as ml1m
 
+CONFIG = os.path.join(os.path.dirname(os.path.dirname(
+    os.path.abspath(__file__))), "configs", "movielens_1m.py")
 # (user, item, rating, timestamp) in file order; item tokens sort as named.
 _ROWS = ([("u1", f"i{k}", 3, k) for k in (1, 2, 3, 4, 5, 6)]
          + [("u2", f"i{k}", 4, 10 + k) for k in (7, 3, 8, 1)]
@@ -137,6 +146,34 @@ class LossTest(absltest.TestCase):
     self.assertTrue(np.isfinite(np.asarray(grad)).all())
 
 
+class ConfigTest(absltest.TestCase):
+
+  def test_fields_are_flags_of_the_config_file(self):
+    parsed = cli.parse_config(["train", f"--config={CONFIG}", "--seed=3",
+                               "--data_path=/x/ml-1m.inter", "--hashed"])
+    self.assertIsInstance(parsed, SeqRecConfig)
+    self.assertEqual(parsed, dataclasses.replace(
+        load_config(CONFIG), seed=3, data_path="/x/ml-1m.inter",
+        hashed=True))
+    self.assertEqual((parsed.emb_dim, parsed.num_negatives,
+                      parsed.temperature, parsed.max_len), (50, 128, 0.05, 200))
+    # The rating models' flags are not the sequence model's.
+    with self.assertRaises(flags.Error):
+      cli.parse_config(["train", f"--config={CONFIG}", "--emb_width=8"])
+
+  def test_bad_values_raise_config_error_before_loading(self):
+    for field, value, match in (
+        ("length_buckets", "128,64", "ascending"),
+        ("length_buckets", "64,200", r"\[1, 200\)"),
+        ("emb_optimizer", "adagrad", "one of"),
+        ("num_heads", 3, "divisor of --emb_dim=50"),
+        ("dropout", 1.0, r"\[0, 1\)")):
+      config = dataclasses.replace(SeqRecConfig(data_path="/nonexistent"),
+                                   **{field: value})
+      with self.assertRaisesRegex(ConfigError, f"--{field}=.*{match}"):
+        train_lib.train(config, log=lambda _: None)
+
+
 class SmokeTest(absltest.TestCase):
   """A short run on the first 600 users beats ranking by popularity."""
 
@@ -158,11 +195,18 @@ class SmokeTest(absltest.TestCase):
 
   def test_beats_popularity(self):
     users, max_len = 600, 50
+    out = os.path.join(tempfile.mkdtemp(), "metrics.json")
     config = SeqRecConfig(
         data_path=self.path, max_users=users, max_len=max_len,
         length_buckets="", batch_size=64, epochs=9, eval_every=9,
-        dense_lr=3e-3, emb_lr=3e-3, log_every=1000)
-    metrics = run_lib.train(config, log=lambda _: None)
+        dense_lr=3e-3, emb_lr=3e-3, log_every=1000, metrics_out=out)
+    returned = train_lib.train(config, log=lambda _: None)
+    with open(out) as f:
+      metrics = json.load(f)
+    self.assertEqual(metrics["test_hr@10"], returned["test_hr@10"])
+    for key in ("hr@10", "ndcg@10", "hr@50", "ndcg@50", "mrr"):
+      self.assertBetween(metrics[f"test_{key}"], 0, 1)
+    self.assertEqual((metrics["epochs"], metrics["steps"]), (9, 90))
     # The floor: every user's candidates ranked by their count in the
     # training items of the same users, the same history filtered.
     seqs = data_lib.first_users(ml1m.load_movielens1m(self.path), users)
