@@ -10,8 +10,9 @@ From the repository root:
 A config is a python file whose `get_config()` returns an
 `examples.config.TrainConfig` (the biased MF), `FeaturesConfig` (the
 feature model) or `SeqRecConfig` (next-item prediction on MovieLens-1M,
-examples/seqrec: `--config=configs/movielens_1m.py`); every field is a flag (`--<field>=value`, see `--help`)
-defaulting to the config file's value. MovieLens-100k is downloaded into
+examples/seqrec: `--config=configs/movielens_1m.py`); every field is a
+flag (`--<field>=value`, see `--help`) defaulting to the config file's
+value. MovieLens-100k is downloaded into
 ~/.cache/pallas_emb on first use (the recbole 1.2.1 wheel, by pip).
 
 The biased MF (`examples/models.py` `BiasedMF`): two `pallas_emb.flax.Embed`

