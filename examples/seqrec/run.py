@@ -115,12 +115,11 @@ def build(config: SeqRecConfig, data: data_lib.SeqData) -> Run:
   seqrec = model_lib.SeqRec(collection, encoder, seed=config.seed)
   dense = optax.adamw(config.dense_lr, b1=0.9, b2=config.dense_b2,
                       weight_decay=config.dense_weight_decay)
-  positions = config.batch_size * float(np.mean(
-      np.count_nonzero(data.targets, axis=1)))
+  positions = config.batch_size * max(float(np.mean(
+      np.count_nonzero(data.targets, axis=1))), 1.0)
   trainer = FlaxTrainer(seqrec, collection,
                         model_lib.make_loss(config.temperature, positions),
-                        dense,
-                        pipelined=config.pipelined)
+                        dense, pipelined=config.pipelined)
   return Run(config, data, collection, encoder, trainer)
 
 
