@@ -20,6 +20,10 @@ position); training stops before the validation item (--train_on_valid
 trains on it as they do) and the validation target picks epochs and
 hyper-parameters, the test target is read once at the end; 3,706 rated
 items are ranked (theirs 3,883), with the fed history filtered.
+
+Measured (seed 42, 2 CPU cores shared with other jobs, 43 min wall of which
+~10 min compiling): test HR@10 .2700, NDCG@10 .1492, HR@50 .5353, NDCG@50
+.2074, MRR .1275 (validation HR@10 .2810); their SASRec: .2853 / .1603.
 """
 
 from examples.config import SeqRecConfig
