@@ -527,20 +527,24 @@ def save_collection(directory, coll, state, *, step: int, extra=None) -> None:
 
 
 def _table_target(coll, name: str):
+  """The restore target of one logical table and its optimizer state: column
+  tables column-sharded, the others (whose logical shape need not split over
+  the ranks) replicated; `state_from_arrays` then places them."""
   spec = coll.tables[name]
+  partition = (jax.sharding.PartitionSpec(None, coll.table_axis)
+               if spec.placement == "column" else jax.sharding.PartitionSpec())
+  sharding = jax.sharding.NamedSharding(coll.mesh, partition)
   table = jax.ShapeDtypeStruct((spec.vocab_rows, spec.emb_width), spec.dtype,
-                               sharding=coll.table_sharding())
+                               sharding=sharding)
   opt = spec.optimizer
   replicated = jax.sharding.NamedSharding(coll.mesh,
                                           jax.sharding.PartitionSpec())
   shapes = jax.eval_shape(lambda: opt.init_state(
-      spec.vocab_rows, replicated, coll.table_sharding(),
-      emb_width=spec.emb_width))
-  specs = opt.state_specs(jax.sharding.PartitionSpec(None, coll.table_axis))
+      spec.vocab_rows, replicated, sharding, emb_width=spec.emb_width))
   opt_state = jax.tree.map(
       lambda s, p: jax.ShapeDtypeStruct(
           s.shape, s.dtype, sharding=jax.sharding.NamedSharding(coll.mesh, p)),
-      shapes, specs)
+      shapes, opt.state_specs(partition))
   return table, opt_state
 
 

@@ -44,6 +44,7 @@ from jax.sharding import PartitionSpec as P
 
 from pallas_emb import exchange
 from pallas_emb import pipeline
+from pallas_emb import placement as placement_lib
 from pallas_emb import validation
 from pallas_emb.specs import Bag
 from pallas_emb.state import CollectionState
@@ -219,8 +220,8 @@ class EmbeddingCollection(nn.Module):
 
   `__call__(batch) -> {feature: embeddings}` (`collection.lookup`). Params:
   one per stack (`collection.plan`), named by the stack, `[total_rows,
-  emb_width]`, column-sharded (`nn.with_partitioning(..., (None,
-  table_axis))`) and initialized from each table's own initializer;
+  emb_width]`, sharded as the stack's placement says
+  (`nn.with_partitioning` names it: `(None, table_axis)` for column) and initialized from each table's own initializer;
   `collection.state_from_stacks(params)` turns them into a
   `CollectionState`. Plain `jax.grad` + optax trains them (dense
   cotangents); `FlaxTrainer` trains them with the sparse step.
@@ -241,9 +242,10 @@ class EmbeddingCollection(nn.Module):
       return self._check_supplied(dict(supplied), batch)
     tables = {}
     for stack in coll.plan.stacks:
+      spec = tuple(placement_lib.table_spec(stack, coll.table_axis))
       init = nn.with_partitioning(
           functools.partial(coll.init_stack, stack_name=stack.name),
-          (None, coll.table_axis))
+          spec + (None,) * (2 - len(spec)))
       tables[stack.name] = self.param(stack.name, init)
     state = CollectionState({name: StackState(table, None)
                              for name, table in tables.items()})

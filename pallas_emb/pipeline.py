@@ -99,6 +99,7 @@ class Trainer:
     """Raises (through a host callback) if an update overflowed a cap; only
     collections with a capped table can overflow, so only they pay for it."""
     capped = any(t.max_unique is not None
+                 or t.max_ids_per_partition is not None
                  for t in self.collection.tables.values())
     if self.check_overflow and capped:
       jax.debug.callback(self.collection.raise_if_overflow, stats)
