@@ -171,5 +171,32 @@ class KernelBenchCliTest(parameterized.TestCase):
       self.assertEqual(r["check"], "ok", r)
 
 
+
+class PlacementsBenchCliTest(absltest.TestCase):
+
+  def test_weak_scaling_records(self):
+    with tempfile.TemporaryDirectory() as tmp:
+      doc, stdout = test_util.run_program(
+          "bench.placements", ["--ranks=1,2", "--rows=1000", "--emb_width=8",
+                               "--ids_per_rank=64", "--repeats=1",
+                               "--warmup=1"], tmp)
+    self.assertIn("row_fit", stdout)
+    by = {(r["ranks"], r["placement"]): r for r in doc["records"]}
+    self.assertCountEqual(by, [(w, p) for w in (1, 2)
+                               for p in ("column", "row", "row_fit")])
+    for (ranks, placement), r in by.items():
+      self.assertGreater(r["step_ms"], 0)
+      # One rank sends nothing; two ranks exchange ids and rows.
+      self.assertEqual(r["sent_bytes_per_rank"] == 0, ranks == 1, placement)
+    # The default capacity (the rank's 64 ids) never overflows, and the
+    # fitted one is no larger.
+    for ranks in (1, 2):
+      self.assertEqual(by[ranks, "row"]["capacity"], 64)
+      self.assertEqual(by[ranks, "row"]["overflow"], 0)
+      self.assertLessEqual(by[ranks, "row_fit"]["capacity"], 64)
+      self.assertEqual(by[ranks, "column"]["sorted_keys_per_rank"],
+                       64 * ranks)
+
+
 if __name__ == "__main__":
   absltest.main()
