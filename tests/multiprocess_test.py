@@ -1,4 +1,5 @@
-"""2 processes x 4 CPU devices (gloo) == 1 process x 8 devices, bit for bit."""
+"""2 processes x 4 CPU devices (gloo) == 1 process x 8 devices, bit for bit
+(column tables, and row, table and replicated ones)."""
 
 import os
 import socket

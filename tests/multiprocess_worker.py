@@ -63,7 +63,9 @@ def compute():
   outputs["table"] = table
   outputs["row_state"] = state.row_state
   outputs["last_step"] = state.last_step
-  outputs.update(_collection_steps(mesh, put, rng))
+  outputs.update(_collection_steps(mesh, put, rng, ("column",) * 3))
+  outputs.update(_collection_steps(mesh, put, rng,
+                                   ("row", "table", "replicated")))
   host = {k: np.asarray(multihost_utils.process_allgather(v, tiled=True))
           for k, v in outputs.items()}
   # As bits: np.savez cannot store bfloat16.
@@ -71,8 +73,9 @@ def compute():
           for k, v in host.items()}
 
 
-def _collection_steps(mesh, put, rng):
-  """3 pipelined Trainer steps of a 2-stack collection; its final tables."""
+def _collection_steps(mesh, put, rng, placements):
+  """3 pipelined Trainer steps of a collection whose tables a, b, c have
+  `placements`; its final tables, keyed by the placements too."""
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
@@ -81,9 +84,11 @@ def _collection_steps(mesh, put, rng):
 
   opt = pe.RowwiseAdagrad(0.1, half_life_steps=3.0, lazy=True)
   coll = pe.EmbeddingCollection(
-      [pe.TableSpec("a", 40, 16, optimizer=opt),
-       pe.TableSpec("b", 23, 16, optimizer=opt, padding_id=0),
-       pe.TableSpec("c", 11, 8, optimizer=opt, dtype=jnp.bfloat16)],
+      [pe.TableSpec("a", 40, 16, optimizer=opt, placement=placements[0]),
+       pe.TableSpec("b", 23, 16, optimizer=opt, padding_id=0,
+                    placement=placements[1]),
+       pe.TableSpec("c", 11, 8, optimizer=opt, dtype=jnp.bfloat16,
+                    placement=placements[2])],
       [pe.FeatureSpec("fa", "a"), pe.FeatureSpec("hist", "a"),
        pe.FeatureSpec("fb", "b"), pe.FeatureSpec("fc", "c")], mesh, "x")
 
@@ -107,11 +112,12 @@ def _collection_steps(mesh, put, rng):
     state, metrics = step(state, batches[t], batches[t + 1])
     jax.block_until_ready(metrics.loss)
   state, _ = jax.jit(trainer.flush)(state)
-  out = {f"coll_{k}": v for k, v in
+  prefix = "coll_" + "_".join(placements)
+  out = {f"{prefix}_{k}": v for k, v in
          coll.table_arrays(state.embedding).items()}
-  out.update({f"coll_{k}_row_state": v.row_state for k, v in
+  out.update({f"{prefix}_{k}_row_state": v.row_state for k, v in
               coll.optimizer_arrays(state.embedding).items()})
-  out["coll_loss"] = metrics.loss
+  out[f"{prefix}_loss"] = metrics.loss
   return out
 
 
