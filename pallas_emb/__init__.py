@@ -15,6 +15,12 @@ from pallas_emb.exchange import table_sharding
 from pallas_emb.exchange import token_sharding
 from pallas_emb.kernels import KernelConfig
 from pallas_emb.plan import CollectionPlan
+from pallas_emb.planner import batch_stats
+from pallas_emb.planner import FeatureStats
+from pallas_emb.planner import plan
+from pallas_emb.planner import PlanInfeasibleError
+from pallas_emb.planner import PlanReport
+from pallas_emb.planner import TablePlan
 from pallas_emb.plan import stack_tables
 from pallas_emb.plan import StackPlan
 from pallas_emb.optimizers import Adagrad
@@ -79,6 +85,7 @@ __all__ = [
     "Error",
     "FILL_VALUE",
     "FeatureSpec",
+    "FeatureStats",
     "Ftrl",
     "FtrlState",
     "HyperParameterError",
@@ -90,6 +97,8 @@ __all__ = [
     "PartialRowwiseAdamState",
     "PipelineMisuse",
     "PipelineState",
+    "PlanInfeasibleError",
+    "PlanReport",
     "Routing",
     "ServingState",
     "RowRouting",
@@ -103,11 +112,13 @@ __all__ = [
     "StackRouting",
     "StackState",
     "StepMetrics",
+    "TablePlan",
     "TableSpec",
     "Trainer",
     "UniqueOverflowError",
     "UpdateStats",
     "apply_gradients",
+    "batch_stats",
     "check_single_shard_per_rank",
     "count_out_of_range",
     "dedup",
@@ -117,6 +128,7 @@ __all__ = [
     "lookup_and_dedup",
     "make_context",
     "pad_ragged",
+    "plan",
     "raise_if_out_of_range",
     "raise_if_overflow",
     "replicated_sharding",

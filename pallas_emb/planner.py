@@ -1,0 +1,391 @@
+"""The planner: every table's placement under a memory budget per device.
+
+    stats = pe.batch_stats(sample_batches, features)
+    tables, report = pe.plan(tables, features, mesh, table_axis="x",
+                             batch_size=1024, stats=stats)
+    print(report)
+    coll = pe.EmbeddingCollection(tables, features, mesh, "x")
+
+The cost model is in docs/planner.md: the memory per rank is exact (the
+stacks the collection builds, `StackPlan.rank_bytes`); the bytes a rank
+sends per step follow docs/placements.md. The plan is the smallest bytes
+sent per rank and step with every rank under `device_memory - reserve`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Iterable, Mapping, Sequence
+
+import jax
+import numpy as np
+
+from pallas_emb import plan as plan_lib
+from pallas_emb import validation
+from pallas_emb.errors import Error
+from pallas_emb.errors import InputError
+from pallas_emb.specs import Bag
+from pallas_emb.specs import FeatureSpec
+from pallas_emb.specs import TableSpec
+
+# Tie-break order among plans of equal bytes sent and memory: the default
+# first, then sharded state before whole tables on one rank or every rank.
+ORDER = ("column", "row", "table", "replicated")
+DEFAULT_RESERVE_FRACTION = 0.2
+DEFAULT_IDS_PER_EXAMPLE = 1.0
+ID_BYTES = 4
+
+
+class PlanInfeasibleError(Error):
+  """No placement of the tables fits the memory budget per device."""
+
+
+@dataclasses.dataclass(frozen=True)
+class FeatureStats:
+  """What the cost model reads of one feature.
+
+  ids_per_example: mean ids (entries, padding included: the exchange
+    buffers are sized by the batch's shape) of one example.
+  distinct_per_batch: mean distinct ids of one batch as given to
+    `batch_stats` (None: not measured; every id distinct).
+  """
+  ids_per_example: float = DEFAULT_IDS_PER_EXAMPLE
+  distinct_per_batch: float | None = None
+
+
+def _ids_of(value) -> np.ndarray:
+  return np.asarray(value.ids if isinstance(value, Bag) else value)
+
+
+def batch_stats(batches: Iterable[Mapping[str, Any]],
+                features: Sequence[FeatureSpec]
+                ) -> dict[str, FeatureStats]:
+  """Host side: `{feature: FeatureStats}` averaged over sample batches.
+
+  Args:
+    batches: dicts of `{feature name: ids [B, ...]}` (numpy arrays or
+      `pe.Bag`s), as a collection's `lookup` takes them.
+    features: the features to measure (each must be in every batch).
+  """
+  counts = {f.name: [] for f in features}
+  distinct = {f.name: [] for f in features}
+  for batch in batches:
+    for f in features:
+      if f.name not in batch:
+        raise InputError(
+            f"pallas_emb batch_stats got a batch without feature {f.name!r} "
+            f"(keys {sorted(batch)}); give every feature's ids in every "
+            "batch.")
+      ids = _ids_of(batch[f.name])
+      if ids.ndim < 1 or ids.shape[0] == 0:
+        raise InputError(
+            f"pallas_emb batch_stats feature {f.name!r} has ids of shape "
+            f"{ids.shape}; expected [B, ...] with B > 0.")
+      counts[f.name].append(ids.size / ids.shape[0])
+      distinct[f.name].append(np.unique(ids).size)
+  if not any(counts.values()):
+    raise InputError("pallas_emb batch_stats got no batches; give at least "
+                     "one sample batch.")
+  return {name: FeatureStats(float(np.mean(counts[name])),
+                             float(np.mean(distinct[name])))
+          for name in counts}
+
+
+@dataclasses.dataclass(frozen=True)
+class TablePlan:
+  """One table's placement: `rank` for "table"; `bytes_per_rank` the
+  table and optimizer state it alone stores on a rank holding it (stacks
+  pad once per stack, so the rank total is what `PlanReport` says);
+  `sent_per_step` the bytes a rank sends for it alone per step."""
+  name: str
+  placement: str
+  rank: int | None
+  bytes_per_rank: int
+  sent_per_step: int
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanReport:
+  """What `plan` chose and what it costs per rank (see docs/planner.md).
+
+  Every rank stores the same bytes (each stack's physical array shards
+  evenly) and sends as many per step as it receives, so `memory_per_rank`
+  and `sent_per_rank` hold one value per rank, all equal under the model.
+  `column_only_*` are None when some width does not divide over the ranks.
+  """
+  ranks: int
+  budget: int
+  device_memory: int
+  reserve: int
+  tables: tuple[TablePlan, ...]
+  memory_per_rank: tuple[int, ...]
+  sent_per_rank: tuple[int, ...]
+  column_only_memory: int | None
+  column_only_sent: int | None
+
+  def as_dict(self) -> dict[str, Any]:
+    return dataclasses.asdict(self)
+
+  def __str__(self) -> str:
+    lines = [f"plan over {self.ranks} ranks, budget {self.budget} bytes per "
+             f"rank ({self.device_memory} - reserve {self.reserve})"]
+    for t in self.tables:
+      where = t.placement + (f" on rank {t.rank}" if t.rank is not None
+                             else "")
+      lines.append(f"  {t.name}: {where}, {t.bytes_per_rank} bytes per "
+                   f"rank, sends {t.sent_per_step} bytes per step")
+    for r, (mem, sent) in enumerate(zip(self.memory_per_rank,
+                                        self.sent_per_rank)):
+      lines.append(f"  rank {r}: {mem} bytes of tables + optimizer state, "
+                   f"sends and receives {sent} bytes per step")
+    if self.column_only_memory is None:
+      lines.append("  column-only: impossible (a width does not divide over "
+                   "the ranks)")
+    else:
+      lines.append(f"  column-only: {self.column_only_memory} bytes per rank,"
+                   f" {self.column_only_sent} bytes sent per step; this plan:"
+                   f" {max(self.memory_per_rank)} and "
+                   f"{max(self.sent_per_rank)}")
+    return "\n".join(lines)
+
+
+class _Model:
+  """The cost of placements of the tables, per rank and step."""
+
+  def __init__(self, tables, features, ranks, batch_size, stats):
+    self.tables, self.features, self.ranks = tables, features, ranks
+    self._alone = {}
+    self.entries, self.rows_out, self.grad_rows = {}, {}, {}
+    for t in tables:
+      self.entries[t.name] = self.rows_out[t.name] = self.grad_rows[t.name] = 0
+    for f in features:
+      s = stats.get(f.name, FeatureStats())
+      entries = batch_size * s.ids_per_example
+      # Rows exchanged: one per sequence id, one per pooled bag; a pooled
+      # feature's gradient is f32, a sequence feature's the table's dtype.
+      rows = entries if f.combiner is None else batch_size
+      table = next(t for t in tables if t.name == f.table)
+      grad_bytes = table.dtype.itemsize if f.combiner is None else 4
+      self.entries[f.table] += entries
+      self.rows_out[f.table] += rows
+      self.grad_rows[f.table] += rows * grad_bytes
+
+  def placed(self, placements, pin_ranks=False):
+    """The tables with these placements (a table-placed one pinned to the
+    rank `stack_tables` balances it to when `pin_ranks`)."""
+    out = [self._replace(t, p) for t, p in zip(self.tables, placements)]
+    if not pin_ranks:
+      return out
+    homes = {}
+    for s in plan_lib.stack_tables(out, self.features, self.ranks).stacks:
+      if s.placement == "table":
+        for name, offset in zip(s.tables, s.row_offsets):
+          homes[name] = offset // s.block_rows
+    return [dataclasses.replace(t, rank=homes[t.name]) if t.name in homes
+            else t for t in out]
+
+  @staticmethod
+  def _replace(table, placement):
+    changes = dict(placement=placement, rank=None)
+    if placement in ("row", "table"):
+      changes["max_unique"] = None  # owners size buffers by caps instead
+    else:
+      changes["max_ids_per_partition"] = None
+    return dataclasses.replace(table, **changes)
+
+  def memory(self, tables) -> int:
+    """Exact bytes of tables and optimizer state on every rank."""
+    cplan = plan_lib.stack_tables(tables, self.features, self.ranks)
+    return sum(sum(s.rank_bytes()) for s in cplan.stacks)
+
+  def sent(self, tables) -> float:
+    """Bytes a rank sends per step (forward and backward)."""
+    w = self.ranks
+    total = 0.0
+    cplan = plan_lib.stack_tables(tables, self.features, w)
+    specs = {t.name: t for t in tables}
+    for s in cplan.stacks:
+      d, b = s.emb_width, s.dtype.itemsize
+      ids = sum(self.entries[n] for n in s.tables)
+      rows = sum(self.rows_out[n] for n in s.tables)
+      grads = sum(self.grad_rows[n] for n in s.tables) * d
+      if s.placement == "column":
+        total += (w - 1) * (ids * ID_BYTES + rows * d * b / w + grads / w)
+      elif s.placement == "replicated":
+        total += (w - 1) * (ids * ID_BYTES + grads)
+      else:
+        cap = self._capacity(s, specs)
+        total += (w - 1) * cap * (ID_BYTES + d * b + d * 4)
+    return total
+
+  def _capacity(self, s, specs) -> float:
+    """A row or table stack's per-pair bucket, as the collection sizes it:
+    per table its ids on a rank, its rows, its cap, whichever is least;
+    a table stack's busiest owner."""
+    per_owner = [0.0] * self.ranks
+    for name, offset in zip(s.tables, s.row_offsets):
+      cap = min(self.entries[name], specs[name].vocab_rows)
+      if specs[name].max_ids_per_partition is not None:
+        cap = min(cap, specs[name].max_ids_per_partition)
+      owner = offset // s.block_rows if s.placement == "table" else 0
+      per_owner[owner] += cap
+    return max(per_owner)
+
+  def alone(self, table, placement) -> tuple[int, int]:
+    """(bytes per rank, bytes sent per step) of one table by itself; a
+    table-placed one counts its rank's bytes only."""
+    if (table.name, placement) in self._alone:
+      return self._alone[table.name, placement]
+    t = self._replace(table, placement)
+    feats = [f for f in self.features if f.table == table.name]
+    ranks = 1 if placement == "table" else self.ranks
+    mem = sum(sum(s.rank_bytes()) for s in
+              plan_lib.stack_tables([t], feats, ranks).stacks)
+    self._alone[table.name, placement] = mem, int(round(self.sent([t])))
+    return self._alone[table.name, placement]
+
+  def key(self, placements):
+    """The objective and its tie-breaks (smaller is better)."""
+    tables = self.placed(placements)
+    return (int(round(self.sent(tables))), self.memory(tables),
+            sum(ORDER.index(p) for p in placements))
+
+
+def _device_memory() -> int:
+  try:
+    stats = jax.devices()[0].memory_stats()
+  except Exception:  # pylint: disable=broad-except
+    stats = None
+  limit = (stats or {}).get("bytes_limit")
+  if not limit:
+    raise InputError(
+        "pallas_emb plan got device_memory=None and the device "
+        f"({jax.devices()[0].platform}) reports no memory limit; give "
+        "device_memory= in bytes per device.")
+  return int(limit)
+
+
+def plan(tables: Sequence[TableSpec], features: Sequence[FeatureSpec],
+         mesh: jax.sharding.Mesh, *, table_axis, batch_size: int,
+         device_memory: int | None = None,
+         stats: Mapping[str, FeatureStats] | None = None,
+         reserve: int | None = None
+         ) -> tuple[list[TableSpec], PlanReport]:
+  """Chooses every table's placement (and rank) under a memory budget.
+
+  Args:
+    tables, features: the collection's specs (their placements and ranks
+      are replaced; `max_unique` is dropped off row and table placements,
+      `max_ids_per_partition` off column and replicated ones).
+    mesh, table_axis: the communicator the collection will use (W ranks).
+    batch_size: examples per rank and step.
+    device_memory: bytes per device (None: what the device reports).
+    stats: `{feature: FeatureStats}` (`batch_stats`); a feature left out
+      reads one id per example.
+    reserve: bytes per device kept for the dense model and step buffers
+      (None: a fifth of device_memory).
+
+  Returns:
+    `(tables with placements, PlanReport)`.
+
+  Raises:
+    PlanInfeasibleError: no plan fits `device_memory - reserve` per rank.
+  """
+  tables, features = tuple(tables), tuple(features)
+  plan_lib.check_specs(tables, features)
+  validation.check_positive("plan batch_size", batch_size)
+  axis = (table_axis,) if isinstance(table_axis, str) else tuple(table_axis)
+  if not axis or any(a not in mesh.shape for a in axis):
+    raise InputError(
+        f"pallas_emb plan table_axis={table_axis!r} is not among the mesh "
+        f"axes {tuple(mesh.shape)}; give the communicator's axis name(s).")
+  ranks = validation.axes_size(mesh, axis)
+  if device_memory is None:
+    device_memory = _device_memory()
+  validation.check_positive("plan device_memory", device_memory)
+  if reserve is None:
+    reserve = int(device_memory * DEFAULT_RESERVE_FRACTION)
+  if not 0 <= reserve < device_memory:
+    raise InputError(
+        f"pallas_emb plan reserve={reserve} is outside [0, device_memory="
+        f"{device_memory}); give the bytes the dense model and step buffers "
+        "need, less than the device's memory.")
+  budget = device_memory - reserve
+  model = _Model(tables, features, ranks, batch_size, dict(stats or {}))
+
+  allowed = [[p for p in ORDER if p != "column" or t.emb_width % ranks == 0]
+             for t in tables]
+  # 1. Each table where it alone sends least (then stores least).
+  current = [min(ps, key=lambda p, t=t: model.alone(t, p)[::-1] +
+                 (ORDER.index(p),))
+             for t, ps in zip(tables, allowed)]
+  # 2. Over budget: the table storing most per rank moves to the
+  #    placement of least memory per rank (row, or column where narrower),
+  #    until every rank fits or no move saves memory.
+  while model.memory(model.placed(current)) > budget:
+    moves = []
+    for i, t in enumerate(tables):
+      here = model.alone(t, current[i])[0]
+      for p in allowed[i]:
+        if model.alone(t, p)[0] < here:
+          moves.append((-here, model.alone(t, p)[0], ORDER.index(p), i, p))
+    if not moves:
+      break
+    _, _, _, i, p = min(moves)
+    current[i] = p
+  # 3. Local search: any single move that keeps every rank under budget and
+  #    lowers (bytes sent, memory, tie-break), largest senders first.
+  order = sorted(range(len(tables)),
+                 key=lambda i: -model.alone(tables[i], current[i])[1])
+  for _ in range(2):
+    improved = False
+    for i in order:
+      for p in allowed[i]:
+        trial = current[:i] + [p] + current[i + 1:]
+        if (p != current[i]
+            and model.memory(model.placed(trial)) <= budget
+            and model.key(trial) < model.key(current)):
+          current, improved = trial, True
+    if not improved:
+      break
+  # 4. Never worse than a single placement for every table.
+  candidates = [current] + [[p] * len(tables) for p in ORDER
+                            if all(p in ps for ps in allowed)]
+  feasible = [c for c in candidates
+              if model.memory(model.placed(c)) <= budget]
+  if not feasible:
+    _raise_infeasible(model, candidates, tables, ranks, budget,
+                      device_memory, reserve)
+  best = min(feasible, key=model.key)
+  placed = model.placed(best, pin_ranks=True)
+  memory, sent = model.memory(placed), int(round(model.sent(placed)))
+  column = ["column"] * len(tables)
+  column_ok = all("column" in ps for ps in allowed)
+  report = PlanReport(
+      ranks=ranks, budget=budget, device_memory=int(device_memory),
+      reserve=int(reserve),
+      tables=tuple(TablePlan(t.name, p, t.rank, *model.alone(t, p))
+                   for t, p in zip(placed, best)),
+      memory_per_rank=(memory,) * ranks, sent_per_rank=(sent,) * ranks,
+      column_only_memory=(model.memory(model.placed(column)) if column_ok
+                          else None),
+      column_only_sent=(int(round(model.sent(model.placed(column))))
+                        if column_ok else None))
+  return placed, report
+
+
+def _raise_infeasible(model, candidates, tables, ranks, budget,
+                      device_memory, reserve):
+  least = min(model.memory(model.placed(c)) for c in candidates)
+  row = [(model.alone(t, "row")[0], t.name) for t in tables]
+  largest = ", ".join(f"{name!r} ({need} bytes per rank as row)"
+                      for need, name in sorted(row, reverse=True)[:3])
+  more = math.ceil(ranks * least / budget)
+  raise PlanInfeasibleError(
+      f"pallas_emb plan cannot fit the tables in {budget} bytes per rank "
+      f"(device_memory {device_memory} - reserve {reserve}) on {ranks} "
+      f"ranks: the least memory of any plan tried is {least} bytes per "
+      f"rank, the largest tables being {largest}; give about {more} ranks "
+      "or more, a larger device_memory or smaller reserve, or store the "
+      "largest tables in bfloat16 or with an optimizer of less state.")
