@@ -252,6 +252,32 @@ class _Model:
             sum(ORDER.index(p) for p in placements))
 
 
+def _improve(model, current, allowed, budget):
+  """The first improving move of one or two tables (None: none)."""
+  tables = model.tables
+  singles = []
+  for i, t in enumerate(tables):
+    mem, sent = model.alone(t, current[i])
+    for p in allowed[i]:
+      if p != current[i]:
+        new_mem, new_sent = model.alone(t, p)
+        singles.append((new_sent - sent, new_mem - mem, i, p))
+  moves = [(ds, ((i, p),)) for ds, _, i, p in singles if ds <= 0]
+  moves += [(a[0] + b[0], ((a[2], a[3]), (b[2], b[3])))
+            for a in singles for b in singles
+            if a[2] < b[2] and a[0] + b[0] <= 0 and (a[1] < 0 or b[1] < 0)]
+  moves.sort(key=lambda m: m[0])
+  best = model.key(current)
+  for _, changes in moves[:64]:
+    trial = list(current)
+    for i, p in changes:
+      trial[i] = p
+    if (model.key(trial) < best
+        and model.memory(model.placed(trial)) <= budget):
+      return trial
+  return None
+
+
 def _device_memory() -> int:
   try:
     stats = jax.devices()[0].memory_stats()
@@ -320,35 +346,31 @@ def plan(tables: Sequence[TableSpec], features: Sequence[FeatureSpec],
   current = [min(ps, key=lambda p, t=t: model.alone(t, p)[::-1] +
                  (ORDER.index(p),))
              for t, ps in zip(tables, allowed)]
-  # 2. Over budget: the table storing most per rank moves to the
-  #    placement of least memory per rank (row, or column where narrower),
-  #    until every rank fits or no move saves memory.
+  # 2. Over budget: the move of one table that adds the fewest bytes sent
+  #    per byte of memory per rank it saves (then saves most), until every
+  #    rank fits or no move saves memory.
   while model.memory(model.placed(current)) > budget:
     moves = []
     for i, t in enumerate(tables):
-      here = model.alone(t, current[i])[0]
+      mem, sent = model.alone(t, current[i])
       for p in allowed[i]:
-        if model.alone(t, p)[0] < here:
-          moves.append((-here, model.alone(t, p)[0], ORDER.index(p), i, p))
+        new_mem, new_sent = model.alone(t, p)
+        if new_mem < mem:
+          moves.append(((new_sent - sent) / (mem - new_mem), new_mem - mem,
+                        ORDER.index(p), i, p))
     if not moves:
       break
-    _, _, _, i, p = min(moves)
+    *_, i, p = min(moves)
     current[i] = p
-  # 3. Local search: any single move that keeps every rank under budget and
-  #    lowers (bytes sent, memory, tie-break), largest senders first.
-  order = sorted(range(len(tables)),
-                 key=lambda i: -model.alone(tables[i], current[i])[1])
-  for _ in range(2):
-    improved = False
-    for i in order:
-      for p in allowed[i]:
-        trial = current[:i] + [p] + current[i + 1:]
-        if (p != current[i]
-            and model.memory(model.placed(trial)) <= budget
-            and model.key(trial) < model.key(current)):
-          current, improved = trial, True
-    if not improved:
+  # 3. Local search: moves of one table, or of two at once (one frees the
+  #    memory the other needs), tried in order of the bytes sent they save
+  #    by the tables' costs alone; the first that keeps every rank under
+  #    budget and lowers (bytes sent, memory, tie-break) exactly is taken.
+  for _ in range(4 * len(tables)):
+    better = _improve(model, current, allowed, budget)
+    if better is None:
       break
+    current = better
   # 4. Never worse than a single placement for every table.
   candidates = [current] + [[p] * len(tables) for p in ORDER
                             if all(p in ps for ps in allowed)]
