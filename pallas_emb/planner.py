@@ -252,6 +252,21 @@ class _Model:
             sum(ORDER.index(p) for p in placements))
 
 
+def _check_stats(stats, features) -> None:
+  names = {f.name for f in features}
+  for name, s in stats.items():
+    if name not in names:
+      raise InputError(
+          f"pallas_emb plan stats name feature {name!r}, which is not among "
+          f"the features {sorted(names)}; drop it or add its FeatureSpec.")
+    if (not isinstance(s, FeatureStats) or not s.ids_per_example > 0
+        or (s.distinct_per_batch is not None and s.distinct_per_batch < 0)):
+      raise InputError(
+          f"pallas_emb plan stats[{name!r}]={s!r}; expected a "
+          "pallas_emb.FeatureStats with ids_per_example > 0 (e.g. from "
+          "pallas_emb.batch_stats).")
+
+
 def _improve(model, current, allowed, budget):
   """The first improving move of one or two tables (None: none)."""
   tables = model.tables
@@ -338,6 +353,7 @@ def plan(tables: Sequence[TableSpec], features: Sequence[FeatureSpec],
         f"{device_memory}); give the bytes the dense model and step buffers "
         "need, less than the device's memory.")
   budget = device_memory - reserve
+  _check_stats(stats or {}, features)
   model = _Model(tables, features, ranks, batch_size, dict(stats or {}))
 
   allowed = [[p for p in ORDER if p != "column" or t.emb_width % ranks == 0]

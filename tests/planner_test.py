@@ -156,6 +156,11 @@ class PlanTest(parameterized.TestCase):
     with self.assertRaisesRegex(pe.InputError, "table_axis='y'"):
       pe.plan(tables, features, mesh, table_axis="y", batch_size=4,
               device_memory=10**9)
+    for stats in ({"nope": pe.FeatureStats()}, {"item": 2.0},
+                  {"item": pe.FeatureStats(0.0)}):
+      with self.assertRaisesRegex(pe.InputError, "stats"):
+        pe.plan(tables, features, mesh, table_axis="x", batch_size=4,
+                device_memory=10**9, stats=stats)
     with self.assertRaisesRegex(pe.InputError, "reserve=2000000000"):
       pe.plan(tables, features, mesh, table_axis="x", batch_size=4,
               device_memory=10**9, reserve=2 * 10**9)
