@@ -15,6 +15,8 @@ from pallas_emb.exchange import table_sharding
 from pallas_emb.exchange import token_sharding
 from pallas_emb.kernels import KernelConfig
 from pallas_emb.plan import CollectionPlan
+# The function pe.plan shadows the submodule as an attribute of the
+# package: import the stacking module's names from `pallas_emb.plan`.
 from pallas_emb.planner import batch_stats
 from pallas_emb.planner import FeatureStats
 from pallas_emb.planner import plan

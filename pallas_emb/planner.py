@@ -21,10 +21,11 @@ from typing import Any, Iterable, Mapping, Sequence
 import jax
 import numpy as np
 
-from pallas_emb import plan as plan_lib
 from pallas_emb import validation
 from pallas_emb.errors import Error
 from pallas_emb.errors import InputError
+from pallas_emb.plan import check_specs
+from pallas_emb.plan import stack_tables
 from pallas_emb.specs import Bag
 from pallas_emb.specs import FeatureSpec
 from pallas_emb.specs import TableSpec
@@ -178,7 +179,7 @@ class _Model:
     if not pin_ranks:
       return out
     homes = {}
-    for s in plan_lib.stack_tables(out, self.features, self.ranks).stacks:
+    for s in stack_tables(out, self.features, self.ranks).stacks:
       if s.placement == "table":
         for name, offset in zip(s.tables, s.row_offsets):
           homes[name] = offset // s.block_rows
@@ -196,14 +197,14 @@ class _Model:
 
   def memory(self, tables) -> int:
     """Exact bytes of tables and optimizer state on every rank."""
-    cplan = plan_lib.stack_tables(tables, self.features, self.ranks)
+    cplan = stack_tables(tables, self.features, self.ranks)
     return sum(sum(s.rank_bytes()) for s in cplan.stacks)
 
   def sent(self, tables) -> float:
     """Bytes a rank sends per step (forward and backward)."""
     w = self.ranks
     total = 0.0
-    cplan = plan_lib.stack_tables(tables, self.features, w)
+    cplan = stack_tables(tables, self.features, w)
     specs = {t.name: t for t in tables}
     for s in cplan.stacks:
       d, b = s.emb_width, s.dtype.itemsize
@@ -241,7 +242,7 @@ class _Model:
     feats = [f for f in self.features if f.table == table.name]
     ranks = 1 if placement == "table" else self.ranks
     mem = sum(sum(s.rank_bytes()) for s in
-              plan_lib.stack_tables([t], feats, ranks).stacks)
+              stack_tables([t], feats, ranks).stacks)
     self._alone[table.name, placement] = mem, int(round(self.sent([t])))
     return self._alone[table.name, placement]
 
@@ -334,7 +335,7 @@ def plan(tables: Sequence[TableSpec], features: Sequence[FeatureSpec],
     PlanInfeasibleError: no plan fits `device_memory - reserve` per rank.
   """
   tables, features = tuple(tables), tuple(features)
-  plan_lib.check_specs(tables, features)
+  check_specs(tables, features)
   validation.check_positive("plan batch_size", batch_size)
   axis = (table_axis,) if isinstance(table_axis, str) else tuple(table_axis)
   if not axis or any(a not in mesh.shape for a in axis):
