@@ -147,6 +147,27 @@ class PlanTest(parameterized.TestCase):
     self.assertEqual(d["tables"][0]["name"], "big")
     self.assertEqual(d["sent_per_rank"], report.sent_per_rank)
 
+  def test_small_tables_go_to_one_rank_each(self):
+    """Eight 8-row tables of width 6 (no column over 4 ranks), 16 ids each
+    per rank: a table stack's bucket is its busiest owner's two tables
+    (16 rows) where a row stack's is all eight (64); replicated sends
+    every id and full-width gradient. Table placement, two per rank."""
+    opt = pe.RowwiseAdagrad(0.1)
+    tables = [pe.TableSpec(f"t{i}", 8, 6, optimizer=opt) for i in range(8)]
+    features = [pe.FeatureSpec(f"f{i}", f"t{i}") for i in range(8)]
+    planned, report = pe.plan(tables, features, test_util.mesh({"x": 4}),
+                              table_axis="x", batch_size=16,
+                              device_memory=10**6)
+    self.assertEqual([t.placement for t in planned], ["table"] * 8)
+    self.assertEqual(sorted(t.rank for t in planned), [0, 0, 1, 1, 2, 2, 3, 3])
+    self.assertEqual([r.rank for r in report.tables], [t.rank for t in planned])
+    self.assertEqual(report.sent_per_rank, (3 * 16 * (4 + 6 * 4 + 6 * 4),) * 4)
+    self.assertEqual(report.memory_per_rank, (16 * (6 * 4 + 4) + 4,) * 4)
+    self.assertEqual((report.reserve, report.budget), (200_000, 800_000))
+    self.assertIsNone(report.column_only_memory)
+    self.assertIn("column-only: impossible", str(report))
+    self.assertIn("  t0: table on rank ", str(report))
+
   def test_bad_inputs(self):
     tables, features, _ = specs()
     mesh = test_util.mesh({"x": 2})
