@@ -49,7 +49,8 @@ class FeatureStats:
   ids_per_example: mean ids (entries, padding included: the exchange
     buffers are sized by the batch's shape) of one example.
   distinct_per_batch: mean distinct ids of one batch as given to
-    `batch_stats` (None: not measured; every id distinct).
+    `batch_stats` (None: not measured); the cost model does not read it
+    yet (the default row and table buckets do not depend on it).
   """
   ids_per_example: float = DEFAULT_IDS_PER_EXAMPLE
   distinct_per_batch: float | None = None
