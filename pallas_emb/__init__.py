@@ -14,17 +14,15 @@ from pallas_emb.exchange import replicated_sharding
 from pallas_emb.exchange import table_sharding
 from pallas_emb.exchange import token_sharding
 from pallas_emb.kernels import KernelConfig
-from pallas_emb.plan import CollectionPlan
-# The function pe.plan shadows the submodule as an attribute of the
-# package: import the stacking module's names from `pallas_emb.plan`.
+from pallas_emb.stacking import CollectionPlan
 from pallas_emb.planner import batch_stats
 from pallas_emb.planner import FeatureStats
 from pallas_emb.planner import plan
 from pallas_emb.planner import PlanInfeasibleError
 from pallas_emb.planner import PlanReport
 from pallas_emb.planner import TablePlan
-from pallas_emb.plan import stack_tables
-from pallas_emb.plan import StackPlan
+from pallas_emb.stacking import stack_tables
+from pallas_emb.stacking import StackPlan
 from pallas_emb.optimizers import Adagrad
 from pallas_emb.optimizers import AdagradState
 from pallas_emb.optimizers import Adam

@@ -10,7 +10,7 @@
     emb = coll.lookup(state, batch)                 # {feature: embeddings}
     state, stats = coll.apply_gradients(state, batch, emb_grads)
 
-The tables are grouped into stacks (`plan.py`); per call, the batch is read
+The tables are grouped into stacks (`stacking.py`); per call, the batch is read
 and checked (`inputs.py`) and laid out per stack (`layout.py`) before
 tracing, and one `shard_map` runs every stack's per-rank dataflow
 (`per_rank.py`; `stack.py` for column and replicated stacks, `row.py` for
@@ -40,7 +40,7 @@ from pallas_emb import kernels
 from pallas_emb import layout as layout_lib
 from pallas_emb import per_rank
 from pallas_emb import placement as placement_lib
-from pallas_emb import plan as plan_lib
+from pallas_emb import stacking as plan_lib
 from pallas_emb import quantize as quantize_lib
 from pallas_emb import row as row_lib
 from pallas_emb import stack as stack_lib

@@ -1,6 +1,6 @@
 """Where a stack's rows live: its physical array and its logical tables.
 
-`plan.py` says which placement each stack has; this module turns a stack's
+`stacking.py` says which placement each stack has; this module turns a stack's
 logical tables (and their optimizer state) into its physical array and
 back, and gives the sharding of each. Checkpoints and `table_arrays` see
 only logical tables, so a state moves between placements through them.
@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from pallas_emb.plan import StackPlan
+from pallas_emb.stacking import StackPlan
 
 COLUMN = "column"
 ROW = "row"

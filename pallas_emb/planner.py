@@ -24,8 +24,8 @@ import numpy as np
 from pallas_emb import validation
 from pallas_emb.errors import Error
 from pallas_emb.errors import InputError
-from pallas_emb.plan import check_specs
-from pallas_emb.plan import stack_tables
+from pallas_emb.stacking import check_specs
+from pallas_emb.stacking import stack_tables
 from pallas_emb.specs import Bag
 from pallas_emb.specs import FeatureSpec
 from pallas_emb.specs import TableSpec

@@ -1,6 +1,6 @@
 """The per-rank dataflow of a row- or table-placed stack.
 
-Each rank holds whole rows of the stack (`plan.py`): a row stack's rank r
+Each rank holds whole rows of the stack (`stacking.py`): a row stack's rank r
 the stacked rows g with `g % W == r` (local row `g // W`), a table stack's
 rank r the block `[r * block_rows, (r + 1) * block_rows)`. Per rank and
 step:

@@ -7,7 +7,7 @@
                 pe.FeatureSpec("genres", table="genre", combiner="mean")]
 
 Plain frozen dataclasses, checked on construction (before anything is
-traced); `pallas_emb.plan` groups the tables into stacks.
+traced); `pallas_emb.stacking` groups the tables into stacks.
 """
 
 from __future__ import annotations
