@@ -26,7 +26,7 @@ refused by `restore`. `save` blocks until the step is committed.
 
 Integrity: every saved array and scalar carries a 64-bit checksum (two
 position-dependent sums of a bijective 32-bit mix of each element's bits,
-see `_sums`), computed on device over the sharded global array and stored
+see `checksums.py`), computed on device over the sharded global array and stored
 in the same orbax commit. `restore` recomputes it over what it read, so a
 changed byte, a truncated, missing or unreadable file, or damaged metadata
 is a `CheckpointError` naming the step, the array (where orbax says which)
@@ -55,6 +55,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_emb import quantize
+from pallas_emb.checksums import bit_width
+from pallas_emb.checksums import checksums
 from pallas_emb.errors import CheckpointError
 from pallas_emb.state import ServingState
 
@@ -110,110 +112,6 @@ def latest_step(directory) -> int | None:
   return steps[-1] if steps else None
 
 
-# --- checksums ----------------------------------------------------------------
-
-# Two independent 32-bit sums make a 64-bit checksum.
-_SEEDS = (0x243F6A88, 0x85A308D3)
-
-
-def _fmix32(h):
-  # murmur3's finalizer: a bijection of uint32, so changing one element's
-  # bits always changes its term, and with it the sum.
-  h = h ^ (h >> 16)
-  h = h * np.uint32(0x85EBCA6B)
-  h = h ^ (h >> 13)
-  h = h * np.uint32(0xC2B2AE35)
-  return h ^ (h >> 16)
-
-
-def _sums(xp, words, index):
-  """`uint32[2]`: sum_i fmix32(words_i ^ key(index_i) ^ seed) mod 2^32 per
-  seed. Sums commute, so the result does not depend on how the array is
-  sharded; the position key catches elements that moved."""
-  key = _fmix32(index * np.uint32(0x9E3779B9) + np.uint32(1))
-  return xp.stack([xp.sum(_fmix32(words ^ key ^ np.uint32(s)),
-                          dtype=xp.uint32) for s in _SEEDS])
-
-
-def _bit_width(dtype) -> int:
-  return int(jax.dtypes.itemsize_bits(dtype))
-
-
-def _host_checksum(x: np.ndarray) -> np.ndarray:
-  """`_sums` of a host array (any numpy dtype, 64-bit ones included)."""
-  x = np.ascontiguousarray(x)
-  if x.dtype.kind == "c":
-    x = np.stack([x.real, x.imag], -1)
-  flat = x.reshape(-1)
-  if x.dtype == np.bool_:
-    words = flat.astype(np.uint32)
-  else:
-    # Little-endian words: an 8-byte element is (low word, high word).
-    words = flat.view({1: np.uint8, 2: np.uint16, 4: np.uint32,
-                       8: np.uint32}[x.dtype.itemsize]).astype(np.uint32)
-  index = np.arange(words.size, dtype=np.uint64).astype(np.uint32)
-  with np.errstate(over="ignore"):
-    return _sums(np, words, index)
-
-
-def _device_checksum(x: jax.Array) -> jax.Array:
-  """`_sums` of a (sharded) jax array, computed where it lives."""
-  if jnp.issubdtype(x.dtype, jnp.complexfloating):
-    x = jnp.stack([x.real, x.imag], -1)
-  size = np.dtype(x.dtype).itemsize
-  if x.dtype == jnp.bool_:
-    words = x.astype(jnp.uint32)
-  elif size == 8:  # Only under jax_enable_x64; same word order as the host.
-    u = jax.lax.bitcast_convert_type(x, jnp.uint64)
-    words = jnp.stack([(u & 0xFFFFFFFF).astype(jnp.uint32),
-                       (u >> 32).astype(jnp.uint32)], -1)
-  else:
-    words = jax.lax.bitcast_convert_type(
-        x, {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}[size]).astype(
-            jnp.uint32)
-  # Row-major word index mod 2^32 from per-axis iotas: no int64 and no
-  # flattening (which would move data between shards).
-  index = jnp.zeros(words.shape, jnp.uint32)
-  stride = 1
-  for axis in reversed(range(words.ndim)):
-    index = index + jax.lax.broadcasted_iota(
-        jnp.uint32, words.shape, axis) * np.uint32(stride % 2**32)
-    stride *= words.shape[axis]
-  return _sums(jnp, words, index)
-
-
-# One program per device set sums every array of a save or restore: one
-# compilation instead of one per leaf shape.
-_device_checksums = jax.jit(lambda xs: [_device_checksum(x) for x in xs])
-
-
-def _finish_checksum(c) -> np.ndarray:
-  if isinstance(c, jax.Array) and not c.is_fully_addressable:
-    # Multi-process: a full reduction is replicated, so any local copy is it.
-    c = c.addressable_data(0)
-  return np.asarray(c, np.uint32)
-
-
-def _checksums(leaves) -> list[np.ndarray]:
-  """Checksums of `leaves`: jax arrays on their devices (one program per set
-  of devices, all started before any result is awaited), the rest on the
-  host."""
-  out = [None] * len(leaves)
-  groups = {}
-  for i, x in enumerate(leaves):
-    if isinstance(x, jax.Array):
-      devices = tuple(sorted(d.id for d in x.sharding.device_set))
-      groups.setdefault(devices, []).append(i)
-    else:
-      out[i] = _host_checksum(np.asarray(x))
-  started = [(idx, _device_checksums([leaves[i] for i in idx]))
-             for idx in groups.values()]
-  for idx, sums in started:
-    for i, c in zip(idx, sums):
-      out[i] = _finish_checksum(c)
-  return out
-
-
 # --- save --------------------------------------------------------------------
 
 
@@ -231,7 +129,7 @@ def _savable(name: str, leaf):
     elif dtype.kind not in "biufc" and not type(dtype).__module__.startswith(
         "ml_dtypes"):  # bfloat16, float8_*, int4 and friends are ml_dtypes.
       why = f"a numpy array of dtype {dtype}"
-    elif _bit_width(dtype) < 8:
+    elif bit_width(dtype) < 8:
       why = f"an array of {dtype}, narrower than a byte"
     else:
       # Orbax restores numpy scalars as arrays: store them as 0-d arrays.
@@ -295,7 +193,7 @@ def save(directory, state, *, step: int) -> None:
     raise CheckpointError(
         f"pallas_emb checkpoint {path} already exists; save under a new step "
         "or delete that directory first.")
-  sums = _checksums(leaves)
+  sums = checksums(leaves)
   tree = {_STATE: jax.tree_util.tree_unflatten(treedef, leaves),
           _SUMS: jax.tree_util.tree_unflatten(treedef, sums)}
   _remove_stale_tmp(root)
@@ -447,7 +345,7 @@ def _verify(path, restored, sums, saved) -> None:
   # python scalar back for a saved python int, float or bool).
   values = [v if isinstance(v, jax.Array) else np.asarray(
       v, saved[n].dtype) for n, v in zip(names, (got[n] for n in names))]
-  bad = [n for n, c in zip(names, _checksums(values))
+  bad = [n for n, c in zip(names, checksums(values))
          if not np.array_equal(c, np.asarray(want[n]))]
   if bad:
     more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""

@@ -198,9 +198,9 @@ class EmbeddingCollection:
     The inverse of `table_arrays` / `optimizer_arrays`; what a checkpoint of
     another stacking, rank count or mesh restores through.
     """
-    _check_names(tables, self.tables, "tables")
+    state_lib.check_names(tables, self.tables, "tables")
     if opt_states is not None:
-      _check_names(opt_states, self.tables, "opt_states")
+      state_lib.check_names(opt_states, self.tables, "opt_states")
     stacks = {}
     for stack in self.plan.stacks:
       arrays = []
@@ -217,7 +217,7 @@ class EmbeddingCollection:
               f"[{spec.vocab_rows}, {spec.emb_width}].")
         arrays.append(array)
       if stack.placement == "column":
-        table = _concat_rows(arrays, self.table_sharding())
+        table = placement_lib.concat_rows(arrays, self.table_sharding())
       else:
         table = placement_lib.jitted(placement_lib.to_physical, stack,
                                      self.stack_sharding(stack))(arrays)
@@ -591,19 +591,3 @@ class EmbeddingCollection:
             f"{' and their rows were served as zeros' if owners else ''}. "
             f"Raise or drop {field} of these tables (fit_{field} with more "
             "headroom).")
-
-
-def _check_names(mapping, expected, what) -> None:
-  if set(mapping) != set(expected):
-    raise InputError(
-        f"pallas_emb collection {what} has {sorted(mapping)}; expected "
-        f"exactly the tables {sorted(expected)}.")
-
-
-def _concat_rows(arrays, sharding) -> jax.Array:
-  if len(arrays) == 1:
-    return jax.device_put(arrays[0], sharding)
-  return jax.jit(lambda *a: jnp.concatenate(a, axis=0),
-                 out_shardings=sharding)(*arrays)
-
-

@@ -133,3 +133,11 @@ def jitted(fn, stack: StackPlan, out_shardings):
   """`fn(stack, x)` (one of the conversions above) jitted onto
   `out_shardings`, compiled once per stack."""
   return jax.jit(functools.partial(fn, stack), out_shardings=out_shardings)
+
+
+def concat_rows(arrays, sharding) -> jax.Array:
+  """`arrays` stacked by rows, placed with `sharding`."""
+  if len(arrays) == 1:
+    return jax.device_put(arrays[0], sharding)
+  return jax.jit(lambda *a: jnp.concatenate(a, axis=0),
+                 out_shardings=sharding)(*arrays)

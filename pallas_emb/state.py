@@ -165,3 +165,11 @@ def check_routing(plan, features, routing: Routing) -> None:
         f"pallas_emb collection routing covers features {names}; this "
         f"collection has {sorted(features)}. Pass the routing this "
         "collection's lookup_and_route returned.")
+
+
+def check_names(mapping, expected, what) -> None:
+  """`mapping` has exactly the tables `expected` (`what` names it)."""
+  if set(mapping) != set(expected):
+    raise InputError(
+        f"pallas_emb collection {what} has {sorted(mapping)}; expected "
+        f"exactly the tables {sorted(expected)}.")

@@ -15,6 +15,7 @@ import numpy as np
 
 import pallas_emb as pe
 from pallas_emb import checkpoint as ckpt
+from pallas_emb import checksums as checksums_lib
 
 VOCAB, WIDTH = 64, 16
 
@@ -264,7 +265,7 @@ class ChecksumTest(parameterized.TestCase):
       on_device = jax.device_put(x, NamedSharding(mesh, spec))
       with self.subTest(name):
         want = _model_checksum(x)
-        got_device, got_host = ckpt._checksums([on_device, np.asarray(x)])
+        got_device, got_host = checksums_lib.checksums([on_device, np.asarray(x)])
         self.assertEqual(got_device.tolist(), want)
         self.assertEqual(got_host.tolist(), want)
 
@@ -273,7 +274,7 @@ class ChecksumTest(parameterized.TestCase):
     for name, x in self._arrays().items():
       if np.ndim(x) == 0:
         continue
-      base = ckpt._checksums([x])[0].tolist()
+      base = checksums_lib.checksums([x])[0].tolist()
       bits = _bits(x)
       for _ in range(20):
         changed = bits.copy().reshape(-1)
@@ -291,7 +292,7 @@ class ChecksumTest(parameterized.TestCase):
         for what, y in (("changed", changed), ("moved", moved)):
           with self.subTest(f"{name} {what} {i}"):
             self.assertNotEqual(
-                ckpt._checksums([y.view(x.dtype).reshape(x.shape)])[0].tolist(),
+                checksums_lib.checksums([y.view(x.dtype).reshape(x.shape)])[0].tolist(),
                 base)
 
 
@@ -318,7 +319,7 @@ class IntegrityTest(_DirTest):
     state, target = self._state()
     ckpt.save(self.dir, state, step=1)
     sums = jax.tree.unflatten(jax.tree.structure(state),
-                              ckpt._checksums(jax.tree.leaves(state)))
+                              checksums_lib.checksums(jax.tree.leaves(state)))
     changes = {
         "table_f32": lambda x: x.at[5, 3].set(x[5, 3] + 1),
         "table_bf16": lambda x: x.at[0, 0].set(jnp.nan),
