@@ -168,6 +168,7 @@ class SparseUpdateTest(parameterized.TestCase):
 
   @parameterized.product(name=list(OPTIMIZERS),
                          dtype=(jnp.float32, jnp.bfloat16))
+  @absltest.skipIf(test_util.ON_GPU, test_util.CPU_ONLY)
   def test_twin_does_not_copy_the_table_or_state(self, name, dtype):
     """Compiled for CPU with donation, the twin scatters into its buffers.
 

@@ -220,7 +220,7 @@ class OptaxTest(parameterized.TestCase):
 class TrainerTest(parameterized.TestCase):
   """Each optimizer trains one table of a collection in the pipelined Trainer."""
 
-  @parameterized.parameters(*test_util.backends())
+  @parameterized.product(backend=test_util.backends())
   def test_every_optimizer_trains_in_the_pipelined_trainer(self, backend):
     ranks, width, tokens, steps = 4, 8, 32, 8
     mesh = test_util.mesh({"x": ranks})

@@ -53,6 +53,11 @@ _BACKEND = flags.DEFINE_string(
     "PALLAS_EMB_TEST_BACKEND instead.")
 
 BF16 = ml_dtypes.bfloat16
+# On a GPU, XLA's and Triton's division, sqrt and exp may differ from numpy's
+# by an ulp: tests that compare bits on CPU state a tolerance there.
+ON_GPU = jax.devices()[0].platform == "gpu"
+# The xla backend and the interpreter's store hazard are XLA:CPU's business.
+CPU_ONLY = "checks XLA:CPU's compiled program or interpreter; a GPU runs the pallas kernels"
 
 
 def backends() -> list[str]:
@@ -62,7 +67,7 @@ def backends() -> list[str]:
   if chosen:
     return [chosen]
   found = ["xla", "interpret"]
-  if jax.devices()[0].platform == "gpu":
+  if ON_GPU:
     found.append("pallas")
   return found
 

@@ -193,10 +193,24 @@ def store_offsets(offsets: jax.Array, mask: jax.Array, size: int,
 
 
 def round_to(x: jax.Array, dtype) -> jax.Array:
-  """Rounds an f32 value to `dtype` and back (identity for f32)."""
+  """Rounds an f32 value to `dtype` (f32 or bf16) and back, as f32.
+
+  The bf16 rounding (to nearest, ties to even) is done on the f32 bits:
+  XLA:GPU drops a `convert` pair f32 -> bf16 -> f32 as "excess precision"
+  (`--xla_allow_excess_precision`, on by default), which would skip the
+  rounding the update's numerics are defined by. Integer ops are never
+  folded, and Triton lowers them too. A NaN stays a NaN.
+  """
   if jnp.dtype(dtype) == jnp.float32:
     return x
-  return x.astype(dtype).astype(jnp.float32)
+  if jnp.dtype(dtype) != jnp.bfloat16:
+    raise ValueError(f"round_to: dtype {jnp.dtype(dtype)}; expected float32 "
+                     "or bfloat16.")
+  bits = jax.lax.bitcast_convert_type(x, jnp.uint32)
+  lsb = (bits >> 16) & jnp.uint32(1)
+  rounded = (bits + jnp.uint32(0x7FFF) + lsb) & jnp.uint32(0xFFFF0000)
+  rounded = jax.lax.bitcast_convert_type(rounded, jnp.float32)
+  return jnp.where(jnp.isnan(x), x, rounded)
 
 
 def check_update_args(rule, table, row_state, element_state, unique_tokens,
