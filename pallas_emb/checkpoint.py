@@ -126,8 +126,9 @@ def _savable(name: str, leaf):
     dtype = leaf.dtype
     if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
       why = "a PRNG key array (store jax.random.key_data(key) instead)"
-    elif dtype.kind not in "biufc" and not type(dtype).__module__.startswith(
-        "ml_dtypes"):  # bfloat16, float8_*, int4 and friends are ml_dtypes.
+    elif not (dtype == np.bool_ or jax.dtypes.issubdtype(dtype, np.number)):
+      # jax's issubdtype knows bfloat16, float8_* and int4 (ml_dtypes),
+      # whichever module their dtype classes live in.
       why = f"a numpy array of dtype {dtype}"
     elif bit_width(dtype) < 8:
       why = f"an array of {dtype}, narrower than a byte"

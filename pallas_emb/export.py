@@ -24,7 +24,11 @@ dimensions (`jax.export.symbolic_shape`).
 
 Each program is lowered for `platforms` (default: this machine's): with
 `backend="xla"` one export can serve on "cpu" and "cuda"; Pallas kernels
-lower for "cuda" only. The state's shardings are kept: `load` rebuilds the
+lower for "cuda" only, as Triton custom calls that jax.export refuses by
+default: `save` allows that one call target, so an artifact with Pallas
+kernels loads with the jax / jaxlib it was exported with (the Triton IR
+inside is compiled at load time); export with `backend="xla"` for an
+artifact that outlives an upgrade. The state's shardings are kept: `load` rebuilds the
 mesh from the saved axis names and sizes over `jax.devices()`, which must
 be as many devices as at export.
 """
@@ -47,6 +51,9 @@ from pallas_emb.errors import InputError
 FORMAT = "pallas_emb.export/1"
 _MANIFEST = "manifest.json"
 _ARRAYS = "state.npz"
+# The Pallas Triton kernels' call target (backend="pallas" on a GPU).
+_PALLAS_CALLS = (jax_export.DisabledSafetyCheck.custom_call(
+    "__gpu$xla.gpu.triton"),)
 
 
 def _check_serializer(what: str) -> None:
@@ -138,8 +145,8 @@ def save(path: str, fn: Callable[..., Any], state: Any,
           f"{len(example_args[0])} arguments; expected the same number of "
           "arguments in every tuple.")
     exported = jax_export.export(
-        jitted, platforms=tuple(platforms) if platforms else None)(specs,
-                                                                  *args)
+        jitted, platforms=tuple(platforms) if platforms else None,
+        disabled_checks=_PALLAS_CALLS)(specs, *args)
     programs.append(exported.serialize())
 
   os.makedirs(path, exist_ok=True)

@@ -26,7 +26,8 @@ def compute():
   from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
   import pallas_emb as pe  # pylint: disable=g-import-not-at-top
 
-  mesh = jax.sharding.Mesh(np.array(jax.devices()), ("x",))
+  # CPU devices, also when the one-process reference runs on a GPU machine.
+  mesh = jax.sharding.Mesh(np.array(jax.devices("cpu")), ("x",))
   tokens, width, vocab = 64, 16, 53
   ctx = pe.make_context(mesh, "x", tokens_per_batch=tokens, emb_width=width,
                         num_unique=tokens + 1)

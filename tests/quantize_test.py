@@ -43,6 +43,25 @@ def np_dequantize(codes, scale, bias):
   return product + bias[:, None]
 
 
+def assert_codes_equal(test, got, table, want):
+  """Bit for bit on CPU. On a GPU, XLA's f32 division may be an ulp off, so
+  a code may differ by one where the scaled value is within a few ulps of a
+  rounding tie (x.5), and nowhere else."""
+  got = np.asarray(got)
+  if not test_util.ON_GPU:
+    test_util.assert_bits_equal(test, got, want)
+    return
+  x = np.asarray(table, np.float64)
+  lo = x.min(axis=1, keepdims=True)
+  span = x.max(axis=1, keepdims=True) - lo
+  scaled = np.divide((x - lo) * 255, span, out=np.zeros_like(x),
+                     where=span > 0)
+  near_tie = np.abs(scaled - np.floor(scaled) - 0.5) <= 1e-4
+  diff = got.astype(np.int64) - want.astype(np.int64)
+  test.assertTrue(np.all(np.abs(diff) <= 1) and np.all(diff[~near_tie] == 0),
+                  f"codes differ at {np.argwhere(diff != 0)[:5].tolist()}")
+
+
 def edge_table(seed, vocab, width, dtype=F32):
   """Random rows plus a constant row, a far-from-zero row, a tiny range."""
   rng = np.random.default_rng(seed)
@@ -68,14 +87,15 @@ class QuantizeTest(parameterized.TestCase):
     out = quantize.quantize_rows(table, "int8")
     self.assertIsInstance(out, quantize.QuantizedRows)
     codes, scale, bias = np_quantize(table)
-    test_util.assert_bits_equal(self, out.codes, codes)
+    assert_codes_equal(self, out.codes, table, codes)
     test_util.assert_bits_equal(self, out.scale, scale)
     test_util.assert_bits_equal(self, out.bias, bias)
     test_util.assert_bits_equal(self, quantize.dequantize_rows(out),
-                                np_dequantize(codes, scale, bias))
+                                np_dequantize(np.asarray(out.codes), scale,
+                                              bias))
     # The same under jit (no concrete checks, same arithmetic).
     jitted = jax.jit(lambda t: quantize.quantize_rows(t, "int8"))(table)
-    test_util.assert_bits_equal(self, jitted.codes, codes)
+    assert_codes_equal(self, jitted.codes, table, codes)
 
   @parameterized.parameters(1, 3, 64, 130)
   def test_int8_error_bound(self, width):
@@ -101,8 +121,8 @@ class QuantizeTest(parameterized.TestCase):
     """Row [0, 255]: scale 1, so value v must get code round-half-even(v)."""
     row = np.array([[0, 255, 2.5, 3.5, 100.49, 100.51, 254.6]], F32)
     out = quantize.quantize_rows(row, "int8")
-    np.testing.assert_array_equal(out.codes[0],
-                                  [0, 255, 2, 4, 100, 101, 255])
+    assert_codes_equal(self, out.codes, row,
+                       np.array([[0, 255, 2, 4, 100, 101, 255]], np.uint8))
     self.assertEqual(float(out.scale[0]), 1.0)
 
   @parameterized.parameters("bfloat16", "float16", jnp.bfloat16, np.float16)

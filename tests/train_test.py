@@ -79,6 +79,7 @@ def run_cli(*args):
   env = dict(os.environ)
   env["PYTHONPATH"] = os.pathsep.join(
       [REPO] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+  env["JAX_PLATFORMS"] = "cpu"  # the same 8 devices on a GPU machine too
   return subprocess.run(
       [sys.executable, "-m", "examples.train", *args], cwd=REPO, env=env,
       capture_output=True, text=True, timeout=CLI_TIMEOUT_S, check=False)
