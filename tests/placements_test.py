@@ -6,7 +6,9 @@ step is, per table, the optimizer on the summed gradients of every entry
 that trains (a pooled entry's gradient is its bag's times its combiner
 weight). Owners sum a row's pieces in sender order, not in entry order, so
 f32 tables after updates compare with the tolerance of reordered sums;
-lookups of the current tables compare exactly.
+lookups of the current tables compare exactly, except bags pooled on
+their rows' owners (per owner, then over owners in rank order: the f32
+sums of another order, compared as tables after updates are).
 """
 
 import dataclasses
@@ -28,6 +30,7 @@ import numpy_model
 import pallas_emb as pe
 from pallas_emb import checkpoint
 from pallas_emb import flax as pe_flax
+from pallas_emb import layout as layout_lib
 from pallas_emb import row
 from pallas_emb.testing import hlo
 
@@ -239,16 +242,8 @@ class SpecTest(absltest.TestCase):
     self.assertNotEqual(coll.plan.fingerprint, other.plan.fingerprint)
 
 
-class PlacementModelTest(parameterized.TestCase):
-
-  @parameterized.parameters(1, 2, 4, 8)
-  def test_random_collections(self, ranks):
-    """Lookups and three update steps of random mixed collections."""
-    for seed in (ranks,):
-      coll, shapes, rng = random_collection(seed, ranks)
-      logging.info("placements seed %d:\n%s", seed, coll.plan.describe())
-      with self.subTest(seed=seed):
-        self._check(coll, shapes, rng, f"seed {seed}\n{coll.plan}")
+class ModelCheck:
+  """Lookups and three update steps of a collection against the model."""
 
   def _check(self, coll, shapes, rng, msg):
     state = coll.init(jax.random.key(0))
@@ -260,7 +255,13 @@ class PlacementModelTest(parameterized.TestCase):
       current = Model(coll, {k: test_util.as_numpy(v)
                              for k, v in coll.table_arrays(state).items()})
       want = current.lookup(raw)
+      on_owner = {f.name for layout in coll.layouts(batch)
+                  if layout.pool_on_owner for f in layout.features}
       for name, got in emb.items():
+        if name in on_owner:
+          assert_tables_close(got, want[name],
+                              f"{msg}\nstep {step} lookup {name}")
+          continue
         # Exact (an empty bag may pool to -0.0 on every placement).
         np.testing.assert_array_equal(
             test_util.as_numpy(got).astype(np.float32),
@@ -276,6 +277,78 @@ class PlacementModelTest(parameterized.TestCase):
     for name, table in coll.table_arrays(state).items():
       assert_tables_close(table, model.models[name].table, f"{msg}\n{name}")
     assert_replicas_identical(self, coll, state)
+
+
+class PlacementModelTest(ModelCheck, parameterized.TestCase):
+
+  @parameterized.parameters(1, 2, 4, 8)
+  def test_random_collections(self, ranks):
+    """Lookups and three update steps of random mixed collections."""
+    for seed in (ranks,):
+      coll, shapes, rng = random_collection(seed, ranks)
+      logging.info("placements seed %d:\n%s", seed, coll.plan.describe())
+      with self.subTest(seed=seed):
+        self._check(coll, shapes, rng, f"seed {seed}\n{coll.plan}")
+
+
+def random_pooled_collection(seed, ranks):
+  """Row and table stacks of pooled features (random combiners, weights,
+  widths 4-16, f32 / bf16, padding or not): bags of 2-4 ids alone in
+  their stack (t0 row, t2 table: pooled on the owners), bags of one (t1
+  table) and bags beside a sequence feature (t3 row): on the example's
+  rank."""
+  rng = np.random.default_rng(seed)
+  mesh = test_util.mesh({"x": ranks})
+  batch_size = ranks * int(rng.integers(1, 4))
+  tables, features, shapes = [], [], {}
+  for t, (placement, opt, bag) in enumerate([
+      ("row", pe.RowwiseAdagrad(0.1), (2, 5)), ("table", pe.Sgd(0.05), None),
+      ("table", pe.RowwiseAdagrad(0.1), (2, 5)), ("row", pe.Sgd(0.05),
+                                                  (1, 4))]):
+    tables.append(pe.TableSpec(
+        f"t{t}", int(rng.integers(30, 60)), int(rng.choice([4, 8, 16])),
+        optimizer=opt, dtype=[jnp.float32, jnp.bfloat16][int(rng.integers(2))],
+        padding_id=[None, 0, 3][int(rng.integers(3))], placement=placement))
+    for f in range(1 if t == 3 else int(rng.integers(1, 3))):
+      name = f"t{t}_f{f}"
+      features.append(pe.FeatureSpec(
+          name, f"t{t}", combiner=["sum", "mean", "sqrtn"][
+              int(rng.integers(3))], weighted=bool(rng.integers(2))))
+      shapes[name] = (batch_size,
+                      1 if bag is None else int(rng.integers(*bag)))
+  features.append(pe.FeatureSpec("t3_seq", "t3"))
+  shapes["t3_seq"] = (batch_size, 2)
+  coll = pe.EmbeddingCollection(tables, features, mesh, "x", backend="xla")
+  return coll, shapes, rng
+
+
+class PoolOnOwnerTest(ModelCheck, parameterized.TestCase):
+  """Bags pooled on their rows' owners, against the numpy model."""
+
+  @parameterized.parameters(1, 2, 4, 8)
+  def test_random_pooled_collections(self, ranks):
+    coll, shapes, rng = random_pooled_collection(10 + ranks, ranks)
+    batch, _ = random_batch(coll, shapes, rng)
+    chosen = {layout.features[0].name[:2]: layout.pool_on_owner
+              for layout in coll.layouts(batch)}
+    self.assertEqual(chosen, {"t0": True, "t1": False, "t2": True,
+                              "t3": False}, coll.plan)
+    self._check(coll, shapes, rng, f"{ranks} ranks\n{coll.plan}")
+
+  def test_the_smaller_payload_wins(self):
+    """The rule: bytes per rank and step of each path (a tie: the
+    example's rank)."""
+    coll = pe.EmbeddingCollection(
+        [pe.TableSpec("t", 1000, 1, optimizer=pe.Sgd(0.1), placement="row")],
+        [pe.FeatureSpec("f", "t", combiner="sum")], test_util.mesh({"x": 1}),
+        "x")
+    # W 1, D 1, f32: example C (4 + 4 + 4), owner 8 P + 8 B D.
+    for shape, bytes_, on_owner in (((1, 2), (24, 24), False),
+                                    ((1, 3), (36, 32), True),
+                                    ((2, 1), (24, 32), False)):
+      (layout,) = coll.layouts({"f": np.zeros(shape, np.int32)})
+      self.assertEqual(layout_lib.pooling_bytes(layout, 4), bytes_, shape)
+      self.assertEqual(layout.pool_on_owner, on_owner, shape)
 
 
 class OverflowTest(absltest.TestCase):
