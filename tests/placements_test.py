@@ -394,6 +394,36 @@ class OverflowTest(absltest.TestCase):
                                       grads)
     self.assertEqual(int(stats["stack0"].num_overflow), 0)
 
+  def test_bags_pooled_on_the_owners_overflow_loudly(self):
+    """Pooling on the owners, the buckets still decide overflow: rank 0
+    asks owner 0 for eight distinct even rows through a bucket of six, so
+    12 and 14 read zeros in their bags, never train, and are counted."""
+    spec = pe.TableSpec("t", 40, 8, optimizer=pe.Sgd(1.0), placement="row",
+                        max_ids_per_partition=6)
+    coll = pe.EmbeddingCollection(
+        [spec], [pe.FeatureSpec("f", "t", combiner="sum")],
+        test_util.mesh({"x": 2}), "x")
+    ids = np.array([[0, 2, 4, 6], [8, 10, 12, 14], [1, 3, 5, 7],
+                    [0, 2, 1, 3]] + [[20, 21, 22, 23]] * 4, np.int32)
+    batch = {"f": ids}
+    (layout,) = coll.layouts(batch)
+    self.assertTrue(layout.pool_on_owner)
+    state = coll.init(jax.random.key(0))
+    before = test_util.as_numpy(coll.table_arrays(state)["t"])
+    emb, routing = coll.lookup_and_route(state, batch)
+    served = before.copy()
+    served[[12, 14]] = 0
+    assert_tables_close(emb["f"], served[ids].sum(axis=1), "lookup")
+    state, stats = coll.apply_gradients(
+        state, routing, {"f": np.ones((8, 8), np.float32)})
+    self.assertEqual(int(stats["stack0"].num_overflow), 2)
+    with self.assertRaises(pe.UniqueOverflowError):
+      coll.raise_if_overflow(stats)
+    counts = np.bincount(ids.reshape(-1), minlength=40)
+    counts[[12, 14]] = 0
+    assert_tables_close(coll.table_arrays(state)["t"],
+                        before - counts[:, None], "update")
+
 
 def small_collection(placements, ranks=4):
   """Three tables (two widths, Adagrad and SGD) with the given placements,
@@ -523,6 +553,41 @@ class HloTest(absltest.TestCase):
       if placement == "row":  # [W, C, D] f32 sums, C = 3 ids per rank
         self.assertEqual(found["all-to-all"]["operand_bytes"], 4 * 3 * 8 * 4)
 
+  def test_pooling_payloads_per_path(self):
+    """A row stack of one pooled feature, 4 ranks, D 8, f32. Bags of one
+    (B 2 a rank, C 2) pool on the example's rank: ids `[W, C]`, rows `[W,
+    C, D]` back, sums `[W, C, D]`. Bags of four (P 8 entries, C 8) pool on
+    the owners: entries and weights `[W, 2P]`, partial sums `[W, B, D]`
+    back, the bags' gradients `[W, B, D]`."""
+    spec = pe.TableSpec("t", 1000, 8, optimizer=pe.Sgd(0.1), placement="row")
+    coll = pe.EmbeddingCollection(
+        [spec], [pe.FeatureSpec("f", "t", combiner="sum")],
+        test_util.mesh({"x": 4}), "x")
+    state = coll.init(jax.random.key(0))
+
+    def payloads(fn, *args):
+      """Each all-to-all's per-rank blocks, as (dtype, dims) lists."""
+      text = jax.jit(fn).lower(*args).compile().as_text()
+      return sorted(ins.arrays() for comp in hlo.parse_hlo(text).values()
+                    for ins in comp if ins.opcode.startswith("all-to-all"))
+
+    for bag, on_owner, lookup, update in (
+        (1, False, [[("f32", (2, 8))] * 4, [("s32", (2,))] * 4],
+         [[("f32", (2, 8))] * 4]),
+        (4, True, [[("f32", (2, 8))] * 4, [("s32", (16,))] * 4],
+         [[("f32", (2, 8))] * 4])):
+      batch = {"f": np.arange(8 * bag, dtype=np.int32).reshape(8, bag)}
+      (layout,) = coll.layouts(batch)
+      self.assertEqual(layout.pool_on_owner, on_owner, bag)
+      self.assertEqual(payloads(coll.lookup, state, batch), lookup, bag)
+      emb, routing = coll.lookup_and_route(state, batch)
+      self.assertEqual(payloads(coll.apply_gradients, state, routing, emb),
+                       update, bag)
+    # Bags of four on the example's rank would move C 8: ids, rows and
+    # sums 4 x 8 x (4 + 32 + 32) bytes, against 4 x (8 x 8 + 2 x 2 x 32).
+    self.assertEqual(layout_lib.pooling_bytes(layout, 4),
+                     (4 * 8 * (4 + 8 * 4 + 8 * 4), 4 * (8 * 8 + 2 * 2 * 8 * 4)))
+
   def test_sparse_step_is_in_place(self):
     """Row and replicated sparse steps (lookup, route, update; the state
     donated) never materialize a table-sized array: their update writes
@@ -606,15 +671,19 @@ class FlaxTest(absltest.TestCase):
                  jax.tree.map(test_util.as_numpy, coll.lookup(state, batch)))
 
 
-class DenseGradTest(absltest.TestCase):
+class DenseGradTest(parameterized.TestCase):
 
-  def test_jax_grad_of_lookup(self):
+  @parameterized.parameters(("replicated", False), ("row", True))
+  def test_jax_grad_of_lookup(self, c_placement, on_owner):
     """Plain jax.grad of a lookup: per logical table, the scatter-add of
-    every training entry's gradient (padding and clamped ids add none)."""
+    every training entry's gradient (padding and clamped ids add none);
+    c's bags pooled on the owners when c is row-placed."""
     rng = np.random.default_rng(5)
-    coll = small_collection(["row", "table", "replicated"])
+    coll = small_collection(["row", "table", c_placement])
     state = coll.init(jax.random.key(0))
     batch = small_batch(rng)
+    self.assertEqual([layout.pool_on_owner for layout in coll.layouts(batch)
+                      if layout.features[0].name == "fc"], [on_owner])
     batch["fa"][0, :2] = [-31, 30]  # wrapped once, still outside: no grad
     cts = jax.tree.map(
         lambda e: rng.standard_normal(e.shape).astype(np.float32),
