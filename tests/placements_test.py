@@ -348,7 +348,7 @@ class PoolOnOwnerTest(ModelCheck, parameterized.TestCase):
       self.assertEqual(layout.pool_on_owner, on_owner, shape)
 
 
-class OverflowTest(absltest.TestCase):
+class OverflowTest(parameterized.TestCase):
 
   def test_capped_buckets_overflow_loudly(self):
     """Rank 0 sends owner 0 three distinct rows (0, 2, 4) through a
@@ -391,7 +391,8 @@ class OverflowTest(absltest.TestCase):
                                       grads)
     self.assertEqual(int(stats["stack0"].num_overflow), 0)
 
-  def test_bags_pooled_on_the_owners_overflow_loudly(self):
+  @parameterized.parameters(*test_util.backends())
+  def test_bags_pooled_on_the_owners_overflow_loudly(self, backend):
     """Pooling on the owners, the buckets still decide overflow: rank 0
     asks owner 0 for eight distinct even rows through a bucket of six, so
     12 and 14 read zeros in their bags, never train, and are counted."""
@@ -399,7 +400,7 @@ class OverflowTest(absltest.TestCase):
                         max_ids_per_partition=6)
     coll = pe.EmbeddingCollection(
         [spec], [pe.FeatureSpec("f", "t", combiner="sum")],
-        test_util.mesh({"x": 2}), "x")
+        test_util.mesh({"x": 2}), "x", backend=backend)
     ids = np.array([[0, 2, 4, 6], [8, 10, 12, 14], [1, 3, 5, 7],
                     [0, 2, 1, 3]] + [[20, 21, 22, 23]] * 4, np.int32)
     batch = {"f": ids}
