@@ -65,8 +65,9 @@ class RowRouting(NamedTuple):
   distinct local rows this rank owns that the batch trains (FILL_VALUE
   padded) and `owner_segments` `[W * C]` each received slot's place in it
   (-1: none). Pooling on the owners, `weights` and `owner_segments` are
-  `[W * P]`, per received entry. `num_distinct`, `num_overflow`: int32 scalars over the
-  communicator (distinct trained rows; distinct rows that overflowed).
+  `[W * P]`, per received entry. `num_distinct`, `num_overflow`: int32
+  scalars over the communicator (distinct trained rows; distinct rows that
+  overflowed).
   """
   send_slot: jax.Array
   train_slot: jax.Array
@@ -137,8 +138,9 @@ def _owner_routing(layout: StackLayout, received: jax.Array):
 
 def _entries_to_owners(layout: StackLayout, keys, weights, send_slot):
   """int32 `[W * 2P]`: per owner, every pooled entry of this rank (its
-  local row as `_buckets` codes it, per entry; FILL_VALUE where another
-  owner's or overflowed), then their weights' bits (0 there)."""
+  local row l if the entry trains, `~l` if it is only looked up,
+  FILL_VALUE where another owner's or overflowed: read as row 0 with
+  weight 0), then their weights' bits (0 there)."""
   w, c = layout.ctx.group_size, layout.capacity
   _, local = _owner_and_local(layout, stack.rows_of(keys))
   # An overflowed entry's slot is W * C: owner W, nobody's.

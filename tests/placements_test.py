@@ -589,17 +589,21 @@ class HloTest(absltest.TestCase):
   def test_sparse_step_is_in_place(self):
     """Row and replicated sparse steps (lookup, route, update; the state
     donated) never materialize a table-sized array: their update writes
-    the touched rows in place, as column's does."""
+    the touched rows in place, as column's does; bags pooled on the
+    owners too."""
     local_rows = 1031  # prime: no per-batch array is this long
-    for placement, rows in (("row", 4 * local_rows),
-                            ("replicated", local_rows)):
+    for placement, rows, bag in (("row", 4 * local_rows, None),
+                                 ("row", 4 * local_rows, 4),
+                                 ("replicated", local_rows, None)):
       spec = pe.TableSpec("t", rows, 8, optimizer=pe.RowwiseAdagrad(0.1),
                           placement=placement)
-      coll = pe.EmbeddingCollection([spec], [pe.FeatureSpec("f", "t")],
-                                    test_util.mesh({"x": 4}), "x",
-                                    backend="xla")
+      coll = pe.EmbeddingCollection(
+          [spec], [pe.FeatureSpec("f", "t", combiner=bag and "mean")],
+          test_util.mesh({"x": 4}), "x", backend="xla")
       state = coll.init(jax.random.key(0))
-      batch = {"f": np.arange(32, dtype=np.int32) * 7}
+      ids = np.arange(32 * (bag or 1), dtype=np.int32) * 7
+      batch = {"f": ids.reshape(32, bag) if bag else ids}
+      self.assertEqual(coll.layouts(batch)[0].pool_on_owner, bool(bag))
       grads = {"f": np.ones((32, 8), np.float32)}
 
       def step(state, batch, grads, coll=coll):
