@@ -208,10 +208,10 @@ def pooling_bytes(layout: StackLayout, itemsize: int) -> tuple[int, int]:
 def pools_on_owner(layout: StackLayout, itemsize: int) -> bool:
   """Whether a stack pools its bags partially on the owners: a row or
   table stack of pooled features only (sequence entries need their rows
-  back anyway), when that moves fewer bytes (a tie pools on the example's
-  rank)."""
+  back anyway) with some entries (empty bags have nothing to pool), when
+  that moves fewer bytes (a tie pools on the example's rank)."""
   if (layout.placement not in ("row", "table") or layout.sequence
-      or not layout.pooled):
+      or not layout.pooled_entries):
     return False
   on_example, on_owner = pooling_bytes(layout, itemsize)
   return on_owner < on_example

@@ -334,7 +334,7 @@ class PoolOnOwnerTest(ModelCheck, parameterized.TestCase):
 
   def test_the_smaller_payload_wins(self):
     """The rule: bytes per rank and step of each path (a tie: the
-    example's rank)."""
+    example's rank; empty bags have nothing to pool on the owners)."""
     coll = pe.EmbeddingCollection(
         [pe.TableSpec("t", 1000, 1, optimizer=pe.Sgd(0.1), placement="row")],
         [pe.FeatureSpec("f", "t", combiner="sum")], test_util.mesh({"x": 1}),
@@ -342,7 +342,8 @@ class PoolOnOwnerTest(ModelCheck, parameterized.TestCase):
     # W 1, D 1, f32: example C (4 + 4 + 4), owner 8 P + 8 B D.
     for shape, bytes_, on_owner in (((1, 2), (24, 24), False),
                                     ((1, 3), (36, 32), True),
-                                    ((2, 1), (24, 32), False)):
+                                    ((2, 1), (24, 32), False),
+                                    ((1, 0), (12, 8), False)):
       (layout,) = coll.layouts({"f": np.zeros(shape, np.int32)})
       self.assertEqual(layout_lib.pooling_bytes(layout, 4), bytes_, shape)
       self.assertEqual(layout.pool_on_owner, on_owner, shape)
