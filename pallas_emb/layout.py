@@ -84,6 +84,10 @@ class StackLayout:
   placement: str = "column"
   capacity: int = 0
   block_rows: int = 0
+  # A row or table stack of pooled features only may pool each bag
+  # partially on the owners (`row.py`) when that moves fewer bytes
+  # (`pools_on_owner`); decided here, per batch shape, never by the user.
+  pool_on_owner: bool = False
 
   @property
   def sequence(self) -> tuple[FeatureLayout, ...]:
@@ -177,9 +181,40 @@ def stack_layouts(coll, shapes, implicit_weights=()
     layout = StackLayout(stack.name, stack.optimizer, ctx, tuple(feats),
                          regions, stack.placement, capacity,
                          stack.block_rows)
+    layout = dataclasses.replace(layout, pool_on_owner=pools_on_owner(
+        layout, stack.dtype.itemsize))
     _check_offsets(layout, stack)
     layouts.append(layout)
   return tuple(layouts)
+
+
+def pooling_bytes(layout: StackLayout, itemsize: int) -> tuple[int, int]:
+  """The all-to-all bytes one rank sends per step (forward and backward)
+  of a row or table stack of pooled features only, `(pooling on the
+  example's rank, pooling on the owners)`.
+
+  W ranks, C the per-pair bucket, P pooled entries and B bags per rank,
+  D columns of `itemsize` bytes. On the example's rank: the ids `W C 4`,
+  the rows `W C D itemsize` back, the f32 gradient sums `W C D 4`. On the
+  owners: every entry's local row and weight to every owner `W P 8`
+  (another owner's entries travel as padding), the f32 partial sums
+  `W B D 4` back, the bags' f32 gradients `W B D 4` out again.
+  """
+  w, c, d = layout.ctx.group_size, layout.capacity, layout.ctx.emb_width
+  p, b = layout.pooled_entries, layout.pooled_bags
+  return (w * c * (4 + d * itemsize + d * 4), w * (p * 8 + 2 * b * d * 4))
+
+
+def pools_on_owner(layout: StackLayout, itemsize: int) -> bool:
+  """Whether a stack pools its bags partially on the owners: a row or
+  table stack of pooled features only (sequence entries need their rows
+  back anyway) with some entries (empty bags have nothing to pool), when
+  that moves fewer bytes (a tie pools on the example's rank)."""
+  if (layout.placement not in ("row", "table") or layout.sequence
+      or not layout.pooled_entries):
+    return False
+  on_example, on_owner = pooling_bytes(layout, itemsize)
+  return on_owner < on_example
 
 
 def _region_slots(table, num_ids: int) -> int:

@@ -21,6 +21,17 @@ step:
 
 An owner's local id travels as `l` if some entry of it trains, `~l` if it
 is only looked up, FILL_VALUE for an empty bucket slot.
+
+A stack of pooled features only may instead pool on the owners
+(`layout.pool_on_owner`, when that moves fewer bytes: `layout.pooling_bytes`).
+The buckets still decide overflow, but each rank sends every owner all its
+pooled entries `[W, P]` (local row, or FILL_VALUE where another owner's or
+overflowed; the weights' bits after them): a bag's index is its entries'
+place. The owner pools them into f32 partial sums `[W * B, D]` per (sender,
+bag), ONE all-to-all brings each rank its bags' W partials, summed in rank
+order and rounded once. The update sends each bag's f32 gradient to every
+owner `[W * B, D]`; the owner scales it per received entry by the entry's
+weight and sums a row's entries in (sender, entry) order.
 """
 
 from __future__ import annotations
@@ -53,8 +64,10 @@ class RowRouting(NamedTuple):
   entries]` the combiner weights; `owner_unique` `[W * C]` the sorted
   distinct local rows this rank owns that the batch trains (FILL_VALUE
   padded) and `owner_segments` `[W * C]` each received slot's place in it
-  (-1: none). `num_distinct`, `num_overflow`: int32 scalars over the
-  communicator (distinct trained rows; distinct rows that overflowed).
+  (-1: none). Pooling on the owners, `weights` and `owner_segments` are
+  `[W * P]`, per received entry. `num_distinct`, `num_overflow`: int32
+  scalars over the communicator (distinct trained rows; distinct rows that
+  overflowed).
   """
   send_slot: jax.Array
   train_slot: jax.Array
@@ -118,18 +131,42 @@ def _owner_routing(layout: StackLayout, received: jax.Array):
   ctx = layout.ctx
   trains = (received >= 0) & (received != FILL_VALUE)
   unique, segments, distinct, _ = unique_and_segments(
-      jnp.where(trains, received, FILL_VALUE), received.shape[0],
-      on_cpu=stack.on_cpu(ctx))
+      jnp.where(trains, received, FILL_VALUE),
+      ctx.group_size * layout.capacity, on_cpu=stack.on_cpu(ctx))
   return unique, segments, _psum(ctx, distinct)
 
 
+def _entries_to_owners(layout: StackLayout, keys, weights, send_slot):
+  """int32 `[W * 2P]`: per owner, every pooled entry of this rank (its
+  local row l if the entry trains, `~l` if it is only looked up,
+  FILL_VALUE where another owner's or overflowed: read as row 0 with
+  weight 0), then their weights' bits (0 there)."""
+  w, c = layout.ctx.group_size, layout.capacity
+  _, local = _owner_and_local(layout, stack.rows_of(keys))
+  # An overflowed entry's slot is W * C: owner W, nobody's.
+  mine = (send_slot // c)[None, :] == jnp.arange(w, dtype=jnp.int32)[:, None]
+  ids = jnp.where(mine, jnp.where(keys >= 0, local, ~local)[None],
+                  FILL_VALUE)
+  bits = lax.bitcast_convert_type(jnp.where(mine, weights[None], 0.0),
+                                  jnp.int32)
+  return jnp.concatenate([ids, bits], axis=1).reshape(-1)
+
+
 def _exchange_keys(layout: StackLayout, ids, weights):
-  """This rank's buckets sent to their owners: `(routing, received)`."""
+  """This rank's buckets (or, pooling on the owners, its entries) sent to
+  their owners: `(routing, received local ids)`."""
   ctx = layout.ctx
   keys, entry_weights = stack.split_entries(
       layout, stack.local_entries(layout, ids, weights))
   send, send_slot, train_slot, overflow = _buckets(layout, keys)
+  if layout.pool_on_owner:
+    send = _entries_to_owners(layout, keys, entry_weights, send_slot)
   received = exchange.all_to_all(ctx, send)
+  if layout.pool_on_owner:
+    received = received.reshape(ctx.group_size, 2, -1)
+    entry_weights = lax.bitcast_convert_type(received[:, 1],
+                                             jnp.float32).reshape(-1)
+    received = received[:, 0].reshape(-1)
   unique, segments, distinct = _owner_routing(layout, received)
   return RowRouting(send_slot, train_slot, entry_weights, unique, segments,
                     distinct, _psum(ctx, overflow)), received
@@ -141,10 +178,37 @@ def _local_bag_starts(layout: StackLayout) -> np.ndarray:
   return np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
 
 
+def _sum_in_rank_order(parts: jax.Array) -> jax.Array:
+  """`[W, ...]` -> `[...]`: `((parts[0] + parts[1]) + parts[2]) + ...`, the
+  same order on every platform (a reduction's order is the compiler's)."""
+  return lax.fori_loop(
+      1, parts.shape[0],
+      lambda r, acc: acc + lax.dynamic_index_in_dim(parts, r, 0, False),
+      parts[0], unroll=min(parts.shape[0], 8))
+
+
+def _serve_on_owner(layout: StackLayout, backend: str, table,
+                    routing: RowRouting, received, config):
+  """`(embeddings per feature, the owner's partial sums)`: the owner pools
+  its entries per (sender, bag) in f32, each rank sums its bags' W
+  partials in rank order and rounds once."""
+  ctx = layout.ctx
+  partials = kernels.pool_rows(
+      table, _received_rows(received), routing.weights,
+      jnp.asarray(layout.bag_starts()), max_len=layout.max_bag_len,
+      backend=backend, config=config.pool, out_dtype=jnp.float32)
+  mine = exchange.all_to_all(ctx, partials).reshape(
+      ctx.group_size, layout.pooled_bags, -1)
+  pooled = _sum_in_rank_order(mine).astype(table.dtype)
+  return stack.split_rows(layout, pooled), partials
+
+
 def _serve(layout: StackLayout, backend: str, table, routing: RowRouting,
            received, kernel_config):
   """`(embeddings per feature, the owner's gathered rows)`."""
   config = kernel_config or kernels.KernelConfig()
+  if layout.pool_on_owner:
+    return _serve_on_owner(layout, backend, table, routing, received, config)
   gathered = kernels.gather_rows(table, _received_rows(received),
                                  backend=backend, config=config.gather)
   rows = exchange.all_to_all(layout.ctx, gathered)
@@ -200,6 +264,21 @@ def _sent_grads(layout: StackLayout, grads, routing: RowRouting, backend,
   return exchange.all_to_all(ctx, sums)
 
 
+def _owner_entry_grads(layout: StackLayout, grads, routing: RowRouting):
+  """Pooling on the owners: f32 `[W * P, D]`, on the owner, the gradient
+  of every received entry: its bag's (ONE all-to-all sends each bag's
+  gradient to every owner) times its weight."""
+  ctx = layout.ctx
+  w = ctx.group_size
+  bags = stack.local_rows(layout, grads)
+  received = exchange.all_to_all(ctx, jnp.tile(bags, (w, 1)))
+  bag_of_entry = (np.arange(w, dtype=np.int32)[:, None] * layout.pooled_bags
+                  + layout.entry_bags()[None]).reshape(-1)
+  per_entry = jnp.take(received, jnp.asarray(bag_of_entry), axis=0)
+  # Rounded on its own, as the other paths': never contracted into sums.
+  return common.unfused_product(per_entry, routing.weights[:, None])
+
+
 def update(layout: StackLayout, backend: str, table, opt_state,
            routing: RowRouting, grads, pending, kernel_config=None):
   """The owner's fused sparse update of its rows from every sender's sums."""
@@ -208,8 +287,11 @@ def update(layout: StackLayout, backend: str, table, opt_state,
         f"pallas_emb {layout.name} has no optimizer (its TableSpecs say "
         "optimizer=None: looked up only); give its tables a sparse "
         "optimizer to train them.")
-  received = _sent_grads(layout, grads, routing, backend, table.dtype,
-                         kernel_config)
+  if layout.pool_on_owner:
+    received = _owner_entry_grads(layout, grads, routing)
+  else:
+    received = _sent_grads(layout, grads, routing, backend, table.dtype,
+                           kernel_config)
   return update_lib.update_from_routed(
       layout.ctx, layout.optimizer, backend, table, opt_state, received,
       routing.owner_segments, routing.owner_unique, pending,
@@ -221,7 +303,9 @@ def dense_grad_stack(layout: StackLayout, table, ids, weights, cotangents):
   sender's sums scatter-added on the owner; entries that never train add
   nothing."""
   routing, received = _exchange_keys(layout, ids, weights)
-  sums = _sent_grads(layout, cotangents, routing, "xla", table.dtype, None)
+  sums = (_owner_entry_grads(layout, cotangents, routing)
+          if layout.pool_on_owner else
+          _sent_grads(layout, cotangents, routing, "xla", table.dtype, None))
   trains = (received >= 0) & (received != FILL_VALUE)
   dense = jnp.zeros(table.shape, jnp.float32).at[
       jnp.where(trains, received, table.shape[0])].add(sums, mode="drop")

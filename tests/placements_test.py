@@ -6,7 +6,9 @@ step is, per table, the optimizer on the summed gradients of every entry
 that trains (a pooled entry's gradient is its bag's times its combiner
 weight). Owners sum a row's pieces in sender order, not in entry order, so
 f32 tables after updates compare with the tolerance of reordered sums;
-lookups of the current tables compare exactly.
+lookups of the current tables compare exactly, except bags pooled on
+their rows' owners (per owner, then over owners in rank order: the f32
+sums of another order, compared as tables after updates are).
 """
 
 import dataclasses
@@ -28,6 +30,7 @@ import numpy_model
 import pallas_emb as pe
 from pallas_emb import checkpoint
 from pallas_emb import flax as pe_flax
+from pallas_emb import layout as layout_lib
 from pallas_emb import row
 from pallas_emb.testing import hlo
 
@@ -239,16 +242,8 @@ class SpecTest(absltest.TestCase):
     self.assertNotEqual(coll.plan.fingerprint, other.plan.fingerprint)
 
 
-class PlacementModelTest(parameterized.TestCase):
-
-  @parameterized.parameters(1, 2, 4, 8)
-  def test_random_collections(self, ranks):
-    """Lookups and three update steps of random mixed collections."""
-    for seed in (ranks,):
-      coll, shapes, rng = random_collection(seed, ranks)
-      logging.info("placements seed %d:\n%s", seed, coll.plan.describe())
-      with self.subTest(seed=seed):
-        self._check(coll, shapes, rng, f"seed {seed}\n{coll.plan}")
+class ModelCheck:
+  """Lookups and three update steps of a collection against the model."""
 
   def _check(self, coll, shapes, rng, msg):
     state = coll.init(jax.random.key(0))
@@ -260,7 +255,13 @@ class PlacementModelTest(parameterized.TestCase):
       current = Model(coll, {k: test_util.as_numpy(v)
                              for k, v in coll.table_arrays(state).items()})
       want = current.lookup(raw)
+      on_owner = {f.name for layout in coll.layouts(batch)
+                  if layout.pool_on_owner for f in layout.features}
       for name, got in emb.items():
+        if name in on_owner:
+          assert_tables_close(got, want[name],
+                              f"{msg}\nstep {step} lookup {name}")
+          continue
         # Exact (an empty bag may pool to -0.0 on every placement).
         np.testing.assert_array_equal(
             test_util.as_numpy(got).astype(np.float32),
@@ -278,7 +279,77 @@ class PlacementModelTest(parameterized.TestCase):
     assert_replicas_identical(self, coll, state)
 
 
-class OverflowTest(absltest.TestCase):
+class PlacementModelTest(ModelCheck, parameterized.TestCase):
+
+  @parameterized.parameters(1, 2, 4, 8)
+  def test_random_collections(self, ranks):
+    """Lookups and three update steps of random mixed collections."""
+    for seed in (ranks,):
+      coll, shapes, rng = random_collection(seed, ranks)
+      logging.info("placements seed %d:\n%s", seed, coll.plan.describe())
+      with self.subTest(seed=seed):
+        self._check(coll, shapes, rng, f"seed {seed}\n{coll.plan}")
+
+
+def random_pooled_collection(seed, ranks):
+  """Row and table stacks of pooled features (random combiners, weights,
+  widths 4-16, f32 / bf16, padding or not): bags of 2-4 ids (t0 row, t2
+  table: pooled on the owners) and bags of one (t1 table: on the example's
+  rank). Stacks mixing bags and sequence ids, on the example's rank, are
+  `random_collection`'s."""
+  rng = np.random.default_rng(seed)
+  mesh = test_util.mesh({"x": ranks})
+  batch_size = ranks * int(rng.integers(1, 4))
+  tables, features, shapes = [], [], {}
+  for t, (placement, opt, bag) in enumerate([
+      ("row", pe.RowwiseAdagrad(0.1), (2, 5)), ("table", pe.Sgd(0.05), None),
+      ("table", pe.RowwiseAdagrad(0.1), (2, 5))]):
+    tables.append(pe.TableSpec(
+        f"t{t}", int(rng.integers(30, 60)), int(rng.choice([4, 8, 16])),
+        optimizer=opt, dtype=[jnp.float32, jnp.bfloat16][int(rng.integers(2))],
+        padding_id=[None, 0, 3][int(rng.integers(3))], placement=placement))
+    for f in range(int(rng.integers(1, 3))):
+      name = f"t{t}_f{f}"
+      features.append(pe.FeatureSpec(
+          name, f"t{t}", combiner=["sum", "mean", "sqrtn"][
+              int(rng.integers(3))], weighted=bool(rng.integers(2))))
+      shapes[name] = (batch_size,
+                      1 if bag is None else int(rng.integers(*bag)))
+  coll = pe.EmbeddingCollection(tables, features, mesh, "x", backend="xla")
+  return coll, shapes, rng
+
+
+class PoolOnOwnerTest(ModelCheck, parameterized.TestCase):
+  """Bags pooled on their rows' owners, against the numpy model."""
+
+  @parameterized.parameters(1, 2, 4, 8)
+  def test_random_pooled_collections(self, ranks):
+    coll, shapes, rng = random_pooled_collection(10 + ranks, ranks)
+    batch, _ = random_batch(coll, shapes, rng)
+    chosen = {layout.features[0].name[:2]: layout.pool_on_owner
+              for layout in coll.layouts(batch)}
+    self.assertEqual(chosen, {"t0": True, "t1": False, "t2": True},
+                     coll.plan)
+    self._check(coll, shapes, rng, f"{ranks} ranks\n{coll.plan}")
+
+  def test_the_smaller_payload_wins(self):
+    """The rule: bytes per rank and step of each path (a tie: the
+    example's rank; empty bags have nothing to pool on the owners)."""
+    coll = pe.EmbeddingCollection(
+        [pe.TableSpec("t", 1000, 1, optimizer=pe.Sgd(0.1), placement="row")],
+        [pe.FeatureSpec("f", "t", combiner="sum")], test_util.mesh({"x": 1}),
+        "x")
+    # W 1, D 1, f32: example C (4 + 4 + 4), owner 8 P + 8 B D.
+    for shape, bytes_, on_owner in (((1, 2), (24, 24), False),
+                                    ((1, 3), (36, 32), True),
+                                    ((2, 1), (24, 32), False),
+                                    ((1, 0), (12, 8), False)):
+      (layout,) = coll.layouts({"f": np.zeros(shape, np.int32)})
+      self.assertEqual(layout_lib.pooling_bytes(layout, 4), bytes_, shape)
+      self.assertEqual(layout.pool_on_owner, on_owner, shape)
+
+
+class OverflowTest(parameterized.TestCase):
 
   def test_capped_buckets_overflow_loudly(self):
     """Rank 0 sends owner 0 three distinct rows (0, 2, 4) through a
@@ -320,6 +391,37 @@ class OverflowTest(absltest.TestCase):
     _, stats = fitted.apply_gradients(fitted.init(jax.random.key(0)), batch,
                                       grads)
     self.assertEqual(int(stats["stack0"].num_overflow), 0)
+
+  @parameterized.parameters(*test_util.backends())
+  def test_bags_pooled_on_the_owners_overflow_loudly(self, backend):
+    """Pooling on the owners, the buckets still decide overflow: rank 0
+    asks owner 0 for eight distinct even rows through a bucket of six, so
+    12 and 14 read zeros in their bags, never train, and are counted."""
+    spec = pe.TableSpec("t", 40, 8, optimizer=pe.Sgd(1.0), placement="row",
+                        max_ids_per_partition=6)
+    coll = pe.EmbeddingCollection(
+        [spec], [pe.FeatureSpec("f", "t", combiner="sum")],
+        test_util.mesh({"x": 2}), "x", backend=backend)
+    ids = np.array([[0, 2, 4, 6], [8, 10, 12, 14], [1, 3, 5, 7],
+                    [0, 2, 1, 3]] + [[20, 21, 22, 23]] * 4, np.int32)
+    batch = {"f": ids}
+    (layout,) = coll.layouts(batch)
+    self.assertTrue(layout.pool_on_owner)
+    state = coll.init(jax.random.key(0))
+    before = test_util.as_numpy(coll.table_arrays(state)["t"])
+    emb, routing = coll.lookup_and_route(state, batch)
+    served = before.copy()
+    served[[12, 14]] = 0
+    assert_tables_close(emb["f"], served[ids].sum(axis=1), "lookup")
+    state, stats = coll.apply_gradients(
+        state, routing, {"f": np.ones((8, 8), np.float32)})
+    self.assertEqual(int(stats["stack0"].num_overflow), 2)
+    with self.assertRaises(pe.UniqueOverflowError):
+      coll.raise_if_overflow(stats)
+    counts = np.bincount(ids.reshape(-1), minlength=40)
+    counts[[12, 14]] = 0
+    assert_tables_close(coll.table_arrays(state)["t"],
+                        before - counts[:, None], "update")
 
 
 def small_collection(placements, ranks=4):
@@ -450,20 +552,59 @@ class HloTest(absltest.TestCase):
       if placement == "row":  # [W, C, D] f32 sums, C = 3 ids per rank
         self.assertEqual(found["all-to-all"]["operand_bytes"], 4 * 3 * 8 * 4)
 
+  def test_pooling_payloads_per_path(self):
+    """A row stack of one pooled feature, 4 ranks, D 8, f32. Bags of one
+    (B 2 a rank, C 2) pool on the example's rank: ids `[W, C]`, rows `[W,
+    C, D]` back, sums `[W, C, D]`. Bags of four (P 8 entries, C 8) pool on
+    the owners: entries and weights `[W, 2P]`, partial sums `[W, B, D]`
+    back, the bags' gradients `[W, B, D]`."""
+    spec = pe.TableSpec("t", 1000, 8, optimizer=pe.Sgd(0.1), placement="row")
+    coll = pe.EmbeddingCollection(
+        [spec], [pe.FeatureSpec("f", "t", combiner="sum")],
+        test_util.mesh({"x": 4}), "x")
+    state = coll.init(jax.random.key(0))
+
+    def payloads(fn, *args):
+      """Each all-to-all's per-rank blocks, as (dtype, dims) lists."""
+      text = jax.jit(fn).lower(*args).compile().as_text()
+      return sorted(ins.arrays() for comp in hlo.parse_hlo(text).values()
+                    for ins in comp if ins.opcode.startswith("all-to-all"))
+
+    for bag, on_owner, lookup, update in (
+        (1, False, [[("f32", (2, 8))] * 4, [("s32", (2,))] * 4],
+         [[("f32", (2, 8))] * 4]),
+        (4, True, [[("f32", (2, 8))] * 4, [("s32", (16,))] * 4],
+         [[("f32", (2, 8))] * 4])):
+      batch = {"f": np.arange(8 * bag, dtype=np.int32).reshape(8, bag)}
+      (layout,) = coll.layouts(batch)
+      self.assertEqual(layout.pool_on_owner, on_owner, bag)
+      self.assertEqual(payloads(coll.lookup, state, batch), lookup, bag)
+      emb, routing = coll.lookup_and_route(state, batch)
+      self.assertEqual(payloads(coll.apply_gradients, state, routing, emb),
+                       update, bag)
+    # Bags of four on the example's rank would move C 8: ids, rows and
+    # sums 4 x 8 x (4 + 32 + 32) bytes, against 4 x (8 x 8 + 2 x 2 x 32).
+    self.assertEqual(layout_lib.pooling_bytes(layout, 4),
+                     (4 * 8 * (4 + 8 * 4 + 8 * 4), 4 * (8 * 8 + 2 * 2 * 8 * 4)))
+
   def test_sparse_step_is_in_place(self):
     """Row and replicated sparse steps (lookup, route, update; the state
     donated) never materialize a table-sized array: their update writes
-    the touched rows in place, as column's does."""
+    the touched rows in place, as column's does; bags pooled on the
+    owners too."""
     local_rows = 1031  # prime: no per-batch array is this long
-    for placement, rows in (("row", 4 * local_rows),
-                            ("replicated", local_rows)):
+    for placement, rows, bag in (("row", 4 * local_rows, None),
+                                 ("row", 4 * local_rows, 4),
+                                 ("replicated", local_rows, None)):
       spec = pe.TableSpec("t", rows, 8, optimizer=pe.RowwiseAdagrad(0.1),
                           placement=placement)
-      coll = pe.EmbeddingCollection([spec], [pe.FeatureSpec("f", "t")],
-                                    test_util.mesh({"x": 4}), "x",
-                                    backend="xla")
+      coll = pe.EmbeddingCollection(
+          [spec], [pe.FeatureSpec("f", "t", combiner=bag and "mean")],
+          test_util.mesh({"x": 4}), "x", backend="xla")
       state = coll.init(jax.random.key(0))
-      batch = {"f": np.arange(32, dtype=np.int32) * 7}
+      ids = np.arange(32 * (bag or 1), dtype=np.int32) * 7
+      batch = {"f": ids.reshape(32, bag) if bag else ids}
+      self.assertEqual(coll.layouts(batch)[0].pool_on_owner, bool(bag))
       grads = {"f": np.ones((32, 8), np.float32)}
 
       def step(state, batch, grads, coll=coll):
@@ -533,15 +674,19 @@ class FlaxTest(absltest.TestCase):
                  jax.tree.map(test_util.as_numpy, coll.lookup(state, batch)))
 
 
-class DenseGradTest(absltest.TestCase):
+class DenseGradTest(parameterized.TestCase):
 
-  def test_jax_grad_of_lookup(self):
+  @parameterized.parameters(("replicated", False), ("row", True))
+  def test_jax_grad_of_lookup(self, c_placement, on_owner):
     """Plain jax.grad of a lookup: per logical table, the scatter-add of
-    every training entry's gradient (padding and clamped ids add none)."""
+    every training entry's gradient (padding and clamped ids add none);
+    c's bags pooled on the owners when c is row-placed."""
     rng = np.random.default_rng(5)
-    coll = small_collection(["row", "table", "replicated"])
+    coll = small_collection(["row", "table", c_placement])
     state = coll.init(jax.random.key(0))
     batch = small_batch(rng)
+    self.assertEqual([layout.pool_on_owner for layout in coll.layouts(batch)
+                      if layout.features[0].name == "fc"], [on_owner])
     batch["fa"][0, :2] = [-31, 30]  # wrapped once, still outside: no grad
     cts = jax.tree.map(
         lambda e: rng.standard_normal(e.shape).astype(np.float32),

@@ -77,6 +77,21 @@ class PoolKernelTest(parameterized.TestCase):
       out = pool.pool_rows(*args, max_len=4, config=config, interpret=True)
       test_util.assert_bits_equal(self, out, test_util.as_numpy(twin))
 
+  def test_f32_sums_of_a_bf16_table(self):
+    """out_dtype=f32 returns the f32 sums unrounded: interpret, xla and the
+    twin agree bit for bit, and rounding them to bf16 gives the default."""
+    rng = np.random.default_rng(2)
+    args = random_case(rng, 37, 24, 29, 5, jnp.bfloat16)
+    twin = reference.pool_rows(*args, max_len=5, out_dtype=jnp.float32)
+    self.assertEqual(twin.dtype, jnp.float32)
+    for backend in ("interpret", "xla"):
+      out = kernels.pool_rows(*args, max_len=5, backend=backend,
+                              out_dtype=jnp.float32)
+      test_util.assert_bits_equal(self, out, test_util.as_numpy(twin))
+    test_util.assert_bits_equal(
+        self, twin.astype(jnp.bfloat16),
+        test_util.as_numpy(reference.pool_rows(*args, max_len=5)))
+
   def test_empty(self):
     table = jnp.ones((5, 4), jnp.float32)
     out = kernels.pool_rows(table, jnp.zeros((0,), jnp.int32),

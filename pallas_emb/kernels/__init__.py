@@ -116,18 +116,20 @@ def sparse_update_rows(rule, table, row_state, element_state,
 
 
 def pool_rows(table, rows, weights, bag_starts, *, max_len: int,
-              backend: str, config=None):
+              backend: str, config=None, out_dtype=None):
   """`[M, S]` f32-accumulated weighted sums of the rows of CSR bags.
 
   Bag m holds the entries `[bag_starts[m], bag_starts[m + 1])` (at most
-  `max_len`); the result is rounded once to the table dtype.
+  `max_len`); the result is rounded once to `out_dtype` (default: the
+  table dtype; f32 keeps partial sums unrounded).
   """
   if not _pallas(backend):
     return xla.pool_rows(table, rows, weights, bag_starts,
-                               max_len=max_len)
+                         max_len=max_len, out_dtype=out_dtype)
   from pallas_emb.kernels import pool  # pylint: disable=g-import-not-at-top
   return pool.pool_rows(table, rows, weights, bag_starts, max_len=max_len,
-                        config=config, interpret=backend == "interpret")
+                        config=config, interpret=backend == "interpret",
+                        out_dtype=out_dtype)
 
 
 def gather_dequantized(codes, scale, bias, ids, *, backend: str,

@@ -123,7 +123,7 @@ def _pool_kernel(starts_ref, rows_ref, weights_ref, table_ref, out_ref,
 def pool_rows(table: jax.Array, rows: jax.Array, weights: jax.Array,
               bag_starts: jax.Array, *, max_len: int,
               config: PoolConfig | None = None,
-              interpret: bool = False) -> jax.Array:
+              interpret: bool = False, out_dtype=None) -> jax.Array:
   """`[M, S]` weighted row sums of `[V, S]` for CSR bags (see module doc).
 
   Args:
@@ -132,14 +132,16 @@ def pool_rows(table: jax.Array, rows: jax.Array, weights: jax.Array,
     weights: f32 `[N]` entry weights (0 for padding).
     bag_starts: int32 `[M + 1]`, non-decreasing, `bag_starts[M] <= N`.
     max_len: static upper bound of any bag's length.
+    out_dtype: the result's dtype (default: the table's).
   """
+  out_dtype = out_dtype or table.dtype
   vocab_rows, width = table.shape
   (num_bags,) = bag_starts.shape
   num_bags -= 1
   common.check_flat_sizes("pool", **{"table shard": table.shape,
                                      "output": (num_bags, width)})
   if num_bags == 0 or max_len == 0 or rows.shape[0] == 0:
-    return jnp.zeros((num_bags, width), table.dtype)
+    return jnp.zeros((num_bags, width), out_dtype)
   config = resolve_config(config, num_bags, width)
   kernel = functools.partial(
       _pool_kernel, num_bags=num_bags, vocab_rows=vocab_rows, width=width,
@@ -148,7 +150,7 @@ def pool_rows(table: jax.Array, rows: jax.Array, weights: jax.Array,
   with common.quiet_triton_deprecation():
     out = pl.pallas_call(
         kernel,
-        out_shape=jax.ShapeDtypeStruct((num_bags * width,), table.dtype),
+        out_shape=jax.ShapeDtypeStruct((num_bags * width,), out_dtype),
         grid=(pl.cdiv(num_bags, config.block_bags),
               pl.cdiv(width, config.block_cols)),
         interpret=interpret,

@@ -113,23 +113,26 @@ def sparse_update(rule, table, row_state, element_state, unique_tokens,
                                               element_state)))
 
 
-def pool_rows(table, rows, weights, bag_starts, *, max_len: int):
+def pool_rows(table, rows, weights, bag_starts, *, max_len: int,
+              out_dtype=None):
   """Oracle of `pool.pool_rows`: per bag, `sum_k weight_k * table[row_k]`
-  accumulated in f32 in entry order, rounded once to the table dtype.
+  accumulated in f32 in entry order, rounded once to `out_dtype` (default:
+  the table dtype).
 
   The same sums in the same order as the kernel (one entry position at a
   time; a masked lane adds 0), so the two agree bit for bit.
   """
+  out_dtype = out_dtype or table.dtype
   vocab_rows, width = table.shape
   num_bags = bag_starts.shape[0] - 1
   if num_bags == 0 or max_len == 0 or rows.shape[0] == 0:
-    return jnp.zeros((num_bags, width), table.dtype)
+    return jnp.zeros((num_bags, width), out_dtype)
   rows = common.wrap_and_clamp(rows, vocab_rows)
   values = lambda entry: jnp.take(
       table, jnp.take(rows, entry, mode="clip"), axis=0,
       mode="clip").astype(jnp.float32)
   return _pool_entries(values, weights, bag_starts, width,
-                       max_len).astype(table.dtype)
+                       max_len).astype(out_dtype)
 
 
 def _pool_entries(values, weights, bag_starts, width: int, max_len: int

@@ -83,7 +83,8 @@ def sparse_update(rule, table, row_state, element_state, unique_tokens,
   return table, row_state, element_state
 
 
-def pool_rows(table, rows, weights, bag_starts, *, max_len: int):
+def pool_rows(table, rows, weights, bag_starts, *, max_len: int,
+              out_dtype=None):
   """`reference.pool_rows` without a whole-table convert of a bf16 table.
 
   XLA:CPU gathers a bf16 table through an f32 convert of all of it; in the
@@ -93,13 +94,14 @@ def pool_rows(table, rows, weights, bag_starts, *, max_len: int):
   """
   if table.dtype == jnp.float32:
     return reference.pool_rows(table, rows, weights, bag_starts,
-                               max_len=max_len)
+                               max_len=max_len, out_dtype=out_dtype)
+  out_dtype = out_dtype or table.dtype
   vocab_rows, width = table.shape
   num_bags = bag_starts.shape[0] - 1
   if num_bags == 0 or max_len == 0 or rows.shape[0] == 0:
-    return jnp.zeros((num_bags, width), table.dtype)
+    return jnp.zeros((num_bags, width), out_dtype)
   entry_rows = jnp.take(table, common.wrap_and_clamp(rows, vocab_rows),
                         axis=0).astype(jnp.float32)
   values = lambda entry: jnp.take(entry_rows, entry, axis=0, mode="clip")
   return reference._pool_entries(values, weights, bag_starts, width,  # pylint: disable=protected-access
-                                 max_len).astype(table.dtype)
+                                 max_len).astype(out_dtype)
