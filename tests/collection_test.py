@@ -124,20 +124,20 @@ def _train_step(coll, state, batch, grads):
 
 class CollectionModelTest(parameterized.TestCase):
 
-  def test_random_collections(self):
-    """Lookups and three update steps of random collections vs the model."""
+  @parameterized.parameters(*range(12))
+  def test_random_collections(self, i):
+    """Lookups and three update steps of a random collection vs the model.
+
+    One test per collection, so that pytest-xdist spreads them.
+    """
     backends = test_util.backends()
-    for i in range(12):
-      seed = 100 + i
-      coll, opt_index, shapes, rng, config = random_collection(
-          seed, backends[i % len(backends)])
-      logging.info("random collection %s", config)
-      with self.subTest(seed=seed):
-        try:
-          self._check(coll, opt_index, shapes, rng)
-        except AssertionError as e:
-          raise AssertionError(f"random collection {config} failed: {e}") \
-              from e
+    coll, opt_index, shapes, rng, config = random_collection(
+        100 + i, backends[i % len(backends)])
+    logging.info("random collection %s", config)
+    try:
+      self._check(coll, opt_index, shapes, rng)
+    except AssertionError as e:
+      raise AssertionError(f"random collection {config} failed: {e}") from e
 
   def _check(self, coll, opt_index, shapes, rng):
     state = coll.init(jax.random.key(0))

@@ -277,7 +277,7 @@ class GradTrainingTest(parameterized.TestCase):
     ref_grad = jax.jit(jax.grad(ref_loss))(ref_params)
     # Row 0 is looked up (in_range_ids starts with it) and has a gradient.
     self.assertTrue(np.any(ref_grad["embed"]["embedding"][0] != 0))
-    for backend in test_util.backends():
+    for backend in test_util.backends_for(self):
       with self.subTest(backend=backend):
         model = Tower(ctx, backend)
         # Flax's recipe: every param on the mesh (the dense ones replicated,
@@ -535,7 +535,7 @@ class FlaxTrainerTest(parameterized.TestCase):
   def test_matches_dense_gradient_training(self, pipelined):
     reference = dense_reference(self._host_params(), self.host_batches,
                                 self.opt, self.dense_opt, late=pipelined)
-    for backend in test_util.backends():
+    for backend in test_util.backends_for(self):
       with self.subTest(backend=backend):
         trainer = self._trainer(backend, pipelined)
         state, losses = run_trainer(trainer, self.params, self.batches)

@@ -250,7 +250,7 @@ class GradTrainingTest(parameterized.TestCase):
     ref_grad = jax.jit(jax.grad(ref_loss))(ref_params)
     # Row 0 is looked up (in_range_ids starts with it) and has a gradient.
     self.assertTrue(np.any(ref_grad["embed"]["embeddings"][0] != 0))
-    for backend in test_util.backends():
+    for backend in test_util.backends_for(self):
       with self.subTest(backend=backend):
         f = transform(functools.partial(haiku_tower, ctx=ctx,
                                         backend=backend))

@@ -89,7 +89,7 @@ class LookupTest(parameterized.TestCase):
     table_dev = jax.device_put(table, pe.table_sharding(ctx))
     ids_dev = jax.device_put(ids, pe.token_sharding(ctx))
     expected = model_lookup(table, ids)
-    for backend in test_util.backends():
+    for backend in test_util.backends_for(self):
       with self.subTest(backend=backend):
         f = jax.jit(functools.partial(pe.lookup, ctx, backend=backend))
         out = f(table_dev, ids_dev)
@@ -109,7 +109,7 @@ class LookupTest(parameterized.TestCase):
     ids_dev = jax.device_put(ids, pe.token_sharding(ctx))
     cot_dev = jax.device_put(cot, pe.token_sharding(ctx))
     expected = model_table_grad(table, ids, cot.astype(np.float64))
-    for backend in test_util.backends():
+    for backend in test_util.backends_for(self):
       with self.subTest(backend=backend):
         loss = lambda t: jnp.vdot(pe.lookup(ctx, t, ids_dev, backend=backend
                                             ).astype(jnp.float32),

@@ -105,7 +105,7 @@ class ApplyGradientsTest(parameterized.TestCase):
     batches = [(batch(rng, tokens),
                 rng.standard_normal((tokens, ctx.emb_width)).astype(dtype))
                for _ in range(3)]
-    for backend in test_util.backends():
+    for backend in test_util.backends_for(self):
       with self.subTest(backend=backend):
         model = numpy_model.Adagrad(table, **_model_kw(OPTS[opt]))
         norms = [model.step(ids, g, ctx.num_unique)[0] for ids, g in batches]
@@ -123,7 +123,7 @@ class ApplyGradientsTest(parameterized.TestCase):
     ids = batch(rng, 16)
     grads = rng.standard_normal((16, 8)).astype(test_util.BF16)
     grads[np.flatnonzero(ids > 0)[0], 5] = bad
-    for backend in test_util.backends():
+    for backend in test_util.backends_for(self):
       with self.subTest(backend=backend):
         ref_table, ref_state, _ = run(ctx, opt, backend, table, [good])
         out, state, stats = run(ctx, opt, backend, table,

@@ -115,7 +115,7 @@ class ModelTest(parameterized.TestCase):
     trained = {int(i) % VOCAB for (ids, _), p in zip(batches, pending)
                for i in ids if p and i != 0 and -VOCAB <= i < VOCAB}
     untouched = sorted(set(range(VOCAB)) - trained)
-    for backend in test_util.backends():
+    for backend in test_util.backends_for(self):
       with self.subTest(backend=backend):
         model = make_model(table)
         norms = [model.step(i, g, ctx.num_unique, pending=p)[0]
@@ -203,7 +203,7 @@ class OptaxTest(parameterized.TestCase):
       dense = optax.apply_updates(dense, updates)
     touched = sorted({int(i) for ids, _ in batches for i in ids})
     untouched = sorted(set(range(VOCAB)) - set(touched))
-    for backend in test_util.backends():
+    for backend in test_util.backends_for(self):
       with self.subTest(backend=backend, optimizer=name):
         out, state, _ = run_steps(ctx, opt, backend, table, batches,
                                   [True] * 3)[-1]

@@ -93,7 +93,7 @@ class PipelineTest(parameterized.TestCase):
                          dtype=[np.float32, test_util.BF16])
   def test_equals_late_synchronous_loop(self, lazy, dtype):
     dense_opt = optax.adam(1e-2)
-    for backend in test_util.backends():
+    for backend in test_util.backends_for(self):
       with self.subTest(backend=backend):
         coll, state0, params, batches = make_setup(lazy, dtype,
                                                    backend=backend)

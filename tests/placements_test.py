@@ -392,7 +392,7 @@ class OverflowTest(parameterized.TestCase):
                                       grads)
     self.assertEqual(int(stats["stack0"].num_overflow), 0)
 
-  @parameterized.parameters(*test_util.backends())
+  @parameterized.product(backend=test_util.backends())
   def test_bags_pooled_on_the_owners_overflow_loudly(self, backend):
     """Pooling on the owners, the buckets still decide overflow: rank 0
     asks owner 0 for eight distinct even rows through a bucket of six, so

@@ -159,7 +159,7 @@ class PooledModelTest(parameterized.TestCase):
   @parameterized.product(ranks=[1, 2, 4, 8],
                          dtype=[jnp.float32, jnp.bfloat16])
   def test_lookup_and_three_updates(self, ranks, dtype):
-    for backend in test_util.backends():
+    for backend in test_util.backends_for(self):
       seed = ranks * 10 + (dtype == jnp.bfloat16)
       with self.subTest(backend=backend, seed=seed):
         coll, rng = make_collection(ranks, dtype, backend, seed)

@@ -6,6 +6,7 @@ Import this before jax in every test binary.
 import atexit
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -57,7 +58,12 @@ BF16 = ml_dtypes.bfloat16
 # by an ulp: tests that compare bits on CPU state a tolerance there.
 ON_GPU = jax.devices()[0].platform == "gpu"
 # The xla backend and the interpreter's store hazard are XLA:CPU's business.
-CPU_ONLY = "checks XLA:CPU's compiled program or interpreter; a GPU runs the pallas kernels"
+CPU_ONLY = ("checks XLA:CPU's compiled program or interpreter; a GPU runs "
+            "the pallas kernels")
+# Tests of the whole library run the kernel backends on one case in this
+# many (see `backends_for`); this variable set to 1 runs them on every case.
+KERNEL_CASE_EVERY = 3
+EVERY_CASE_ENV = "PALLAS_EMB_TEST_KERNELS_EVERY_CASE"
 
 
 def backends() -> list[str]:
@@ -70,6 +76,30 @@ def backends() -> list[str]:
   if ON_GPU:
     found.append("pallas")
   return found
+
+
+def backends_for(case) -> list[str]:
+  """The backends of one case of a parameterized test of the whole library.
+
+  The interpreter runs a kernel's body op by op, at ~2.5x the CPU time of
+  the xla twin, and each kernel is proven equal to its twin case by case in
+  the kernel tests (gather, pool, segment_sum, adagrad, optimizer_kernels,
+  xla_backend). So a library test runs the xla twins on every case and the
+  kernel backends too on cases 0, 3, 6, ... of its grid (an odd stride, so
+  the innermost parameters alternate); `PALLAS_EMB_TEST_KERNELS_EVERY_CASE=1`
+  or one chosen backend (`PALLAS_EMB_TEST_BACKEND`) runs them everywhere.
+
+  Args:
+    case: the test (`self`: its absl parameterized index is read from the
+      method name; a test without one gets every backend) or a case number.
+  """
+  chosen = backends()
+  if not isinstance(case, int):
+    digits = re.search(r"(\d+)$", case._testMethodName)  # pylint: disable=protected-access
+    case = int(digits.group(1)) if digits else 0
+  if case % KERNEL_CASE_EVERY == 0 or os.environ.get(EVERY_CASE_ENV) == "1":
+    return chosen
+  return [b for b in chosen if b == "xla"] or chosen
 
 
 def mesh(shape: dict[str, int], explicit: bool = False) -> jax.sharding.Mesh:
