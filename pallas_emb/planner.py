@@ -28,6 +28,7 @@ from pallas_emb.stacking import check_specs
 from pallas_emb.stacking import stack_tables
 from pallas_emb.specs import Bag
 from pallas_emb.specs import FeatureSpec
+from pallas_emb.specs import MAX_INT32
 from pallas_emb.specs import TableSpec
 
 # Tie-break order among plans of equal bytes sent and memory: the default
@@ -180,7 +181,7 @@ class _Model:
     if not pin_ranks:
       return out
     homes = {}
-    for s in stack_tables(out, self.features, self.ranks).stacks:
+    for s in self.stacks(out):
       if s.placement == "table":
         for name, offset in zip(s.tables, s.row_offsets):
           homes[name] = offset // s.block_rows
@@ -196,18 +197,28 @@ class _Model:
       changes["max_ids_per_partition"] = None
     return dataclasses.replace(table, **changes)
 
+  def stacks(self, tables):
+    """The stacks the collection would build (int32 row ids unchecked:
+    `fits` says whether they address every stack)."""
+    return stack_tables(tables, self.features, self.ranks,
+                        max_rows=None).stacks
+
   def memory(self, tables) -> int:
     """Exact bytes of tables and optimizer state on every rank."""
-    cplan = stack_tables(tables, self.features, self.ranks)
-    return sum(sum(s.rank_bytes()) for s in cplan.stacks)
+    return sum(sum(s.rank_bytes()) for s in self.stacks(tables))
+
+  def fits(self, tables, budget) -> bool:
+    """Every rank within `budget` and every stack addressable by int32
+    row ids (a table stack is W blocks of its busiest rank's rows)."""
+    return (self.memory(tables) <= budget
+            and all(s.total_rows <= MAX_INT32 for s in self.stacks(tables)))
 
   def sent(self, tables) -> float:
     """Bytes a rank sends per step (forward and backward)."""
     w = self.ranks
     total = 0.0
-    cplan = stack_tables(tables, self.features, w)
     specs = {t.name: t for t in tables}
-    for s in cplan.stacks:
+    for s in self.stacks(tables):
       d, b = s.emb_width, s.dtype.itemsize
       ids = sum(self.entries[n] for n in s.tables)
       rows = sum(self.rows_out[n] for n in s.tables)
@@ -243,7 +254,7 @@ class _Model:
     feats = [f for f in self.features if f.table == table.name]
     ranks = 1 if placement == "table" else self.ranks
     mem = sum(sum(s.rank_bytes()) for s in
-              stack_tables([t], feats, ranks).stacks)
+              stack_tables([t], feats, ranks, max_rows=None).stacks)
     self._alone[table.name, placement] = mem, int(round(self.sent([t])))
     return self._alone[table.name, placement]
 
@@ -289,8 +300,7 @@ def _improve(model, current, allowed, budget):
     trial = list(current)
     for i, p in changes:
       trial[i] = p
-    if (model.key(trial) < best
-        and model.memory(model.placed(trial)) <= budget):
+    if model.key(trial) < best and model.fits(model.placed(trial), budget):
       return trial
   return None
 
@@ -358,7 +368,12 @@ def plan(tables: Sequence[TableSpec], features: Sequence[FeatureSpec],
   _check_stats(stats or {}, features)
   model = _Model(tables, features, ranks, batch_size, dict(stats or {}))
 
-  allowed = [[p for p in ORDER if p != "column" or t.emb_width % ranks == 0]
+  # Column needs the width to divide; a table whose W blocks of its rows
+  # (table placement pads every rank to it) exceed int32 ids is not placed
+  # whole on a rank.
+  allowed = [[p for p in ORDER
+              if (p != "column" or t.emb_width % ranks == 0)
+              and (p != "table" or ranks * t.vocab_rows <= MAX_INT32)]
              for t in tables]
   # 1. Each table where it alone sends least (then stores least).
   current = [min(ps, key=lambda p, t=t: model.alone(t, p)[::-1] +
@@ -392,8 +407,7 @@ def plan(tables: Sequence[TableSpec], features: Sequence[FeatureSpec],
   # 4. Never worse than a single placement for every table.
   candidates = [current] + [[p] * len(tables) for p in ORDER
                             if all(p in ps for ps in allowed)]
-  feasible = [c for c in candidates
-              if model.memory(model.placed(c)) <= budget]
+  feasible = [c for c in candidates if model.fits(model.placed(c), budget)]
   if not feasible:
     _raise_infeasible(model, candidates, tables, ranks, budget,
                       device_memory, reserve)

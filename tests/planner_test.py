@@ -5,6 +5,7 @@ stack of their own (every width differs): bytes per rank of the table and
 its row-wise Adagrad state, and bytes a rank sends per step.
 """
 
+import dataclasses
 import itertools
 import math
 
@@ -16,6 +17,7 @@ import jax
 import numpy as np
 
 import pallas_emb as pe
+from pallas_emb import stacking
 
 BATCH = 16  # examples per rank
 # (name, rows, width): rows divide by 8, so row and column placements store
@@ -167,6 +169,29 @@ class PlanTest(parameterized.TestCase):
     self.assertIsNone(report.column_only_memory)
     self.assertIn("column-only: impossible", str(report))
     self.assertIn("  t0: table on rank ", str(report))
+
+  def test_stacks_stay_within_int32_rows(self):
+    """Two 600M-row tables on 4 ranks: whole on a rank each would send
+    least (a bucket of 16 ids, not a row stack's 32), but a table stack is
+    4 blocks of 600M rows, more than int32 ids address, so the plan is
+    row (1.2B rows), within the budget replicated misses."""
+    opt = pe.RowwiseAdagrad(0.1)
+    rows = 600_000_000
+    tables = [pe.TableSpec(n, rows, 6, optimizer=opt) for n in "ab"]
+    features = [pe.FeatureSpec(n, n) for n in "ab"]
+    planned, report = pe.plan(tables, features, test_util.mesh({"x": 4}),
+                              table_axis="x", batch_size=16,
+                              device_memory=10 * 10**9, reserve=0)
+    self.assertEqual([t.placement for t in planned], ["row", "row"])
+    self.assertEqual(report.memory_per_rank,
+                     (2 * rows // 4 * (6 * 4 + 4) + 4,) * 4)
+    self.assertEqual(report.sent_per_rank, (3 * 32 * (4 + 6 * 4 + 6 * 4),) * 4)
+    whole = [dataclasses.replace(t, placement="table") for t in tables]
+    with self.assertRaisesRegex(pe.InputError, "stack into 2400000000 rows"):
+      stacking.stack_tables(whole, features, 4)
+    self.assertEqual(
+        stacking.stack_tables(whole, features, 4, max_rows=None)
+        .stacks[0].total_rows, 4 * rows)
 
   def test_bad_inputs(self):
     tables, features, _ = specs()
