@@ -180,13 +180,18 @@ class _Model:
     out = [self._replace(t, p) for t, p in zip(self.tables, placements)]
     if not pin_ranks:
       return out
+    homes = self.homes(out)
+    return [dataclasses.replace(t, rank=homes[t.name]) if t.name in homes
+            else t for t in out]
+
+  def homes(self, tables) -> dict[str, int]:
+    """The rank of every table-placed table, as `stack_tables` packs it."""
     homes = {}
-    for s in self.stacks(out):
+    for s in self.stacks(tables):
       if s.placement == "table":
         for name, offset in zip(s.tables, s.row_offsets):
           homes[name] = offset // s.block_rows
-    return [dataclasses.replace(t, rank=homes[t.name]) if t.name in homes
-            else t for t in out]
+    return homes
 
   @staticmethod
   def _replace(table, placement):
@@ -427,6 +432,50 @@ def plan(tables: Sequence[TableSpec], features: Sequence[FeatureSpec],
       column_only_sent=(int(round(model.sent(model.placed(column))))
                         if column_ok else None))
   return placed, report
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanCost:
+  """What placements cost under `plan`'s model (docs/planner.md).
+
+  memory_per_rank: bytes of tables and optimizer state every rank stores
+    as the collection stacks them (padding included; equal on every rank).
+  shard_bytes_per_rank: per rank, the bytes of the tables (or shards) it
+    holds, each table counted alone: without the padding a table stack
+    adds to reach its busiest rank.
+  sent_per_rank: bytes a rank sends (and receives) per step.
+  addressable: every stack within int32 row ids (else no collection holds
+    these placements as given).
+  """
+  memory_per_rank: int
+  shard_bytes_per_rank: tuple[int, ...]
+  sent_per_rank: int
+  addressable: bool
+
+
+def plan_cost(tables: Sequence[TableSpec], features: Sequence[FeatureSpec],
+              ranks: int, *, batch_size: int,
+              stats: Mapping[str, FeatureStats] | None = None) -> PlanCost:
+  """Scores the tables' placements (and ranks) as given, e.g. a plan made
+  by hand or by another planner, with the model `plan` minimizes."""
+  tables, features = tuple(tables), tuple(features)
+  check_specs(tables, features)
+  validation.check_positive("plan_cost ranks", ranks)
+  validation.check_positive("plan_cost batch_size", batch_size)
+  _check_stats(stats or {}, features)
+  model = _Model(tables, features, ranks, batch_size, dict(stats or {}))
+  homes = model.homes(tables)
+  shards = [0] * ranks
+  for t in tables:
+    mem = model.alone(t, t.placement)[0]
+    for r in [homes[t.name]] if t.name in homes else range(ranks):
+      shards[r] += mem
+  return PlanCost(
+      memory_per_rank=model.memory(tables),
+      shard_bytes_per_rank=tuple(shards),
+      sent_per_rank=int(round(model.sent(tables))),
+      addressable=all(s.total_rows <= MAX_INT32
+                      for s in model.stacks(tables)))
 
 
 def _raise_infeasible(model, candidates, tables, ranks, budget,
