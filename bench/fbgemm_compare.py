@@ -160,21 +160,6 @@ def _loadavg():
     return None
 
 
-def _git_head() -> str | None:
-  """The repository's commit (+ '-dirty' if pallas_emb/ has changes)."""
-  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-  try:
-    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root,
-                          capture_output=True, text=True, timeout=30,
-                          check=True).stdout.strip()
-    dirty = subprocess.run(["git", "status", "--porcelain", "pallas_emb"],
-                           cwd=root, capture_output=True, text=True,
-                           timeout=30, check=True).stdout.strip()
-  except (OSError, subprocess.SubprocessError):
-    return None
-  return head + ("-dirty" if dirty else "")
-
-
 def configure(threads: int, pin: list[int]) -> dict:
   """Platform and thread settings of this process, before JAX starts.
 
@@ -560,7 +545,7 @@ def main(argv):
     print(skipped, flush=True)
   doc = {"meta": {
       "jax": jax.__version__, "platform": jax.devices()[0].platform,
-      "commit": _git_head(),
+      "commit": peer.git_head(),
       "cpu_count": os.cpu_count(), "threads_flag": _THREADS.value,
       "pallas_emb_threads": threads, "fbgemm_versions": versions,
       "fbgemm_skipped": skipped or None, "argv": sys.argv,

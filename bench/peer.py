@@ -55,3 +55,18 @@ def probe(python: str, worker: str, args: list[str], *, skip: str,
                   f"{tail[-1] if tail else 'exit ' + str(proc.returncode)})"
                   f"; {hint}")
   return json.loads(proc.stdout.strip().splitlines()[-1]), ""
+
+
+def git_head() -> str | None:
+  """The repository's commit (+ '-dirty' if pallas_emb/ has changes)."""
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  try:
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root,
+                          capture_output=True, text=True, timeout=30,
+                          check=True).stdout.strip()
+    dirty = subprocess.run(["git", "status", "--porcelain", "pallas_emb"],
+                           cwd=root, capture_output=True, text=True,
+                           timeout=30, check=True).stdout.strip()
+  except (OSError, subprocess.SubprocessError):
+    return None
+  return head + ("-dirty" if dirty else "")
