@@ -7,7 +7,6 @@ PALLAS_EMB_TORCHREC_PYTHON (or PALLAS_EMB_FBGEMM_PYTHON) naming a torch +
 fbgemm-gpu-cpu + torchrec venv, the tiny set is planned by both.
 """
 
-import os
 import tempfile
 
 import test_util
@@ -86,6 +85,8 @@ class PlannerCompareTest(absltest.TestCase):
     cost = sets.score(pieces, where, 4, batch_size=8)
     self.assertTrue(cost["addressable"])
     self.assertGreater(cost["shard_bytes_max"], cost["shard_bytes_mean"])
+    # The row table's bucket fit to 1.25 x 16 / 4 ids, not all 16.
+    self.assertLess(cost["sent_fitted"], cost["sent_per_rank"])
 
   def test_row_or_column_on_fewer_ranks_is_not_exact(self):
     plan = {"r": {"sharding_type": "row_wise", "ranks": [0, 1],
