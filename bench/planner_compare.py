@@ -111,7 +111,7 @@ def _kinds(counter) -> str:
                                                   key=lambda kv: -kv[1]))
 
 
-def format_table(rows: list[dict]) -> str:
+def format_table(rows: list[dict], budget: int) -> str:
   head = ("| set | W | planner | placements | GB/rank (stacked) | shard GB "
           "max / mean | MB sent/rank/step | row caps fit | plan s |")
   lines = [head, "|" + "---|" * 9]
@@ -122,6 +122,7 @@ def format_table(rows: list[dict]) -> str:
                    f"infeasible | | | | | |")
       continue
     mem = f"{s['memory_per_rank'] / 1e9:.2f}" + (
+        " (over budget)" if s["memory_per_rank"] > budget else "") + (
         "" if s["addressable"] else " (no int32 stack)")
     lines.append(
         f"| {r['set']} | {r['ranks']} | {r['planner']} | {r['placements']} "
@@ -198,7 +199,7 @@ def main(argv):
     for note in notes[:4] + ([f"... {len(notes) - 4} more"]
                              if len(notes) > 4 else []):
       print(f"#   TorchRec {note}")
-  table = format_table(results)
+  table = format_table(results, device_memory - reserve)
   print(table)
   if _JSON_OUT.value:
     with open(_JSON_OUT.value, "w") as f:
