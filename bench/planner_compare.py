@@ -125,7 +125,7 @@ def format_table(rows: list[dict], budget: int) -> str:
         " (over budget)" if s["memory_per_rank"] > budget else "") + (
         "" if s["addressable"] else " (no int32 stack)")
     lines.append(
-        f"| {r['set']} | {r['ranks']} | {r['planner']} | {r['placements']} "
+        f"| {r['set']} | {r['ranks']} | {r['planner']} | {r['summary']} "
         f"| {mem} | {s['shard_bytes_max'] / 1e9:.2f} / "
         f"{s['shard_bytes_mean'] / 1e9:.2f} | {s['sent_per_rank'] / 1e6:,.1f}"
         f" | {s['sent_fitted'] / 1e6:,.1f} | {r['plan_seconds']:.2f} |")
@@ -177,7 +177,7 @@ def main(argv):
     record = {"set": name, "ranks": ranks, "planner": "pe.plan",
               "batch_per_rank": batch, "ids_per_example": ids, **ours}
     if "placements" in ours:
-      record["placements"] = _kinds(collections.Counter(
+      record["summary"] = _kinds(collections.Counter(
           p for p, _ in ours["placements"].values()))
       record["score"] = sets.score(tables, ours["placements"], ranks, batch,
                                    _HEADROOM.value)
@@ -190,7 +190,7 @@ def main(argv):
     results.append({
         "set": name, "ranks": ranks, "planner": "TorchRec",
         "batch_per_rank": batch, "ids_per_example": ids,
-        "placements": _kinds(kinds), "translation_notes": notes,
+        "summary": _kinds(kinds), "translation_notes": notes,
         "torchrec_plan": theirs["tables"],
         "torchrec_hbm_estimate_max": max(theirs["hbm_estimate_per_rank"]),
         "plan_seconds": theirs["plan_seconds"],
