@@ -78,6 +78,8 @@ import time
 from absl import app
 from absl import flags
 
+from bench import peer
+
 _WORKLOADS = flags.DEFINE_list(
     "workloads", ["a:1000000:16384:1", "b:1000000:16384:20",
                   "c:10000000:65536:1"],
@@ -98,8 +100,9 @@ _PALLAS_CASES = flags.DEFINE_list(
     "(`EmbeddingCollection.fit_max_unique`, --fit_headroom).")
 _FIT_HEADROOM = flags.DEFINE_float(
     "fit_headroom", 1.25, "Headroom of the `_fit` cases' max_unique.")
+FBGEMM_ENV = "PALLAS_EMB_FBGEMM_PYTHON"
 _FBGEMM_PYTHON = flags.DEFINE_string(
-    "fbgemm_python", os.environ.get("PALLAS_EMB_FBGEMM_PYTHON", ""),
+    "fbgemm_python", peer.default_python(FBGEMM_ENV),
     "Python of a venv with torch and fbgemm-gpu-cpu (default: env "
     "PALLAS_EMB_FBGEMM_PYTHON); empty: skip the FBGEMM rows.")
 _FBGEMM_PRECISIONS = flags.DEFINE_list(
@@ -155,21 +158,6 @@ def _loadavg():
     return [round(x, 2) for x in os.getloadavg()]
   except OSError:
     return None
-
-
-def _git_head() -> str | None:
-  """The repository's commit (+ '-dirty' if pallas_emb/ has changes)."""
-  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-  try:
-    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root,
-                          capture_output=True, text=True, timeout=30,
-                          check=True).stdout.strip()
-    dirty = subprocess.run(["git", "status", "--porcelain", "pallas_emb"],
-                           cwd=root, capture_output=True, text=True,
-                           timeout=30, check=True).stdout.strip()
-  except (OSError, subprocess.SubprocessError):
-    return None
-  return head + ("-dirty" if dirty else "")
 
 
 def configure(threads: int, pin: list[int]) -> dict:
@@ -433,35 +421,13 @@ def summarize_trace(events, steps: int, step_s: float,
 # ---------------------------------------------------------------------------
 
 
-def worker_env(threads: int) -> dict:
-  env = dict(os.environ)
-  env.pop("XLA_FLAGS", None)
-  if threads:
-    env["OMP_NUM_THREADS"] = env["MKL_NUM_THREADS"] = str(threads)
-  return env
-
-
 def probe_fbgemm(python: str, threads: int) -> tuple[dict | None, str]:
   """(versions, "") if `python` runs the worker, else (None, why not)."""
-  if not python:
-    return None, (f"{SKIP} no FBGEMM python given (--fbgemm_python, or env "
-                  f"PALLAS_EMB_FBGEMM_PYTHON); {BUILD_HINT}")
-  if not (os.path.isfile(python) and os.access(python, os.X_OK)):
-    return None, (f"{SKIP} --fbgemm_python={python} is not an executable "
-                  f"file; {BUILD_HINT}")
-  try:
-    proc = subprocess.run([python, WORKER, "--probe",
-                           f"--threads={max(threads, 1)}"],
-                          capture_output=True, text=True, timeout=300,
-                          check=False, env=worker_env(threads))
-  except (OSError, subprocess.TimeoutExpired) as e:
-    return None, f"{SKIP} {python} failed to start the worker: {e}"
-  if proc.returncode:
-    tail = [l for l in proc.stderr.strip().splitlines() if l.strip()]
-    return None, (f"{SKIP} {python} cannot import torch / fbgemm_gpu ("
-                  f"{tail[-1] if tail else 'exit ' + str(proc.returncode)})"
-                  f"; {BUILD_HINT}")
-  return json.loads(proc.stdout.strip().splitlines()[-1]), ""
+  return peer.probe(python, WORKER,
+                    ["--probe", f"--threads={max(threads, 1)}"],
+                    skip=SKIP, what="FBGEMM", flag="--fbgemm_python",
+                    env_names=(FBGEMM_ENV,), imports="torch / fbgemm_gpu",
+                    hint=BUILD_HINT, threads=threads)
 
 
 def run_fbgemm(python: str, directory: str, jobs: list[dict],
@@ -474,7 +440,7 @@ def run_fbgemm(python: str, directory: str, jobs: list[dict],
     cmd = [python, WORKER, f"--data={directory}", f"--jobs={json.dumps([job])}",
            f"--out_dir={out_dir}", f"--threads={max(threads, 1)}"]
     proc = subprocess.run(cmd, capture_output=True, text=True, check=False,
-                          env=worker_env(threads))
+                          env=peer.worker_env(threads))
     if proc.returncode:
       raise RuntimeError(f"FBGEMM worker failed ({' '.join(cmd)}):\n"
                          f"{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
@@ -579,7 +545,7 @@ def main(argv):
     print(skipped, flush=True)
   doc = {"meta": {
       "jax": jax.__version__, "platform": jax.devices()[0].platform,
-      "commit": _git_head(),
+      "commit": peer.git_head(),
       "cpu_count": os.cpu_count(), "threads_flag": _THREADS.value,
       "pallas_emb_threads": threads, "fbgemm_versions": versions,
       "fbgemm_skipped": skipped or None, "argv": sys.argv,

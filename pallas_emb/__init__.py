@@ -18,6 +18,8 @@ from pallas_emb.stacking import CollectionPlan
 from pallas_emb.planner import batch_stats
 from pallas_emb.planner import FeatureStats
 from pallas_emb.planner import plan
+from pallas_emb.planner import plan_cost
+from pallas_emb.planner import PlanCost
 from pallas_emb.planner import PlanInfeasibleError
 from pallas_emb.planner import PlanReport
 from pallas_emb.planner import TablePlan
@@ -97,6 +99,7 @@ __all__ = [
     "PartialRowwiseAdamState",
     "PipelineMisuse",
     "PipelineState",
+    "PlanCost",
     "PlanInfeasibleError",
     "PlanReport",
     "Routing",
@@ -129,6 +132,7 @@ __all__ = [
     "make_context",
     "pad_ragged",
     "plan",
+    "plan_cost",
     "raise_if_out_of_range",
     "raise_if_overflow",
     "replicated_sharding",

@@ -28,6 +28,7 @@ from pallas_emb.stacking import check_specs
 from pallas_emb.stacking import stack_tables
 from pallas_emb.specs import Bag
 from pallas_emb.specs import FeatureSpec
+from pallas_emb.specs import MAX_INT32
 from pallas_emb.specs import TableSpec
 
 # Tie-break order among plans of equal bytes sent and memory: the default
@@ -179,13 +180,18 @@ class _Model:
     out = [self._replace(t, p) for t, p in zip(self.tables, placements)]
     if not pin_ranks:
       return out
+    homes = self.homes(out)
+    return [dataclasses.replace(t, rank=homes[t.name]) if t.name in homes
+            else t for t in out]
+
+  def homes(self, tables) -> dict[str, int]:
+    """The rank of every table-placed table, as `stack_tables` packs it."""
     homes = {}
-    for s in stack_tables(out, self.features, self.ranks).stacks:
+    for s in self.stacks(tables):
       if s.placement == "table":
         for name, offset in zip(s.tables, s.row_offsets):
           homes[name] = offset // s.block_rows
-    return [dataclasses.replace(t, rank=homes[t.name]) if t.name in homes
-            else t for t in out]
+    return homes
 
   @staticmethod
   def _replace(table, placement):
@@ -196,18 +202,28 @@ class _Model:
       changes["max_ids_per_partition"] = None
     return dataclasses.replace(table, **changes)
 
+  def stacks(self, tables):
+    """The stacks the collection would build (int32 row ids unchecked:
+    `fits` says whether they address every stack)."""
+    return stack_tables(tables, self.features, self.ranks,
+                        max_rows=None).stacks
+
   def memory(self, tables) -> int:
     """Exact bytes of tables and optimizer state on every rank."""
-    cplan = stack_tables(tables, self.features, self.ranks)
-    return sum(sum(s.rank_bytes()) for s in cplan.stacks)
+    return sum(sum(s.rank_bytes()) for s in self.stacks(tables))
+
+  def fits(self, tables, budget) -> bool:
+    """Every rank within `budget` and every stack addressable by int32
+    row ids (a table stack is W blocks of its busiest rank's rows)."""
+    return (self.memory(tables) <= budget
+            and all(s.total_rows <= MAX_INT32 for s in self.stacks(tables)))
 
   def sent(self, tables) -> float:
     """Bytes a rank sends per step (forward and backward)."""
     w = self.ranks
     total = 0.0
-    cplan = stack_tables(tables, self.features, w)
     specs = {t.name: t for t in tables}
-    for s in cplan.stacks:
+    for s in self.stacks(tables):
       d, b = s.emb_width, s.dtype.itemsize
       ids = sum(self.entries[n] for n in s.tables)
       rows = sum(self.rows_out[n] for n in s.tables)
@@ -243,7 +259,7 @@ class _Model:
     feats = [f for f in self.features if f.table == table.name]
     ranks = 1 if placement == "table" else self.ranks
     mem = sum(sum(s.rank_bytes()) for s in
-              stack_tables([t], feats, ranks).stacks)
+              stack_tables([t], feats, ranks, max_rows=None).stacks)
     self._alone[table.name, placement] = mem, int(round(self.sent([t])))
     return self._alone[table.name, placement]
 
@@ -289,8 +305,7 @@ def _improve(model, current, allowed, budget):
     trial = list(current)
     for i, p in changes:
       trial[i] = p
-    if (model.key(trial) < best
-        and model.memory(model.placed(trial)) <= budget):
+    if model.key(trial) < best and model.fits(model.placed(trial), budget):
       return trial
   return None
 
@@ -358,7 +373,12 @@ def plan(tables: Sequence[TableSpec], features: Sequence[FeatureSpec],
   _check_stats(stats or {}, features)
   model = _Model(tables, features, ranks, batch_size, dict(stats or {}))
 
-  allowed = [[p for p in ORDER if p != "column" or t.emb_width % ranks == 0]
+  # Column needs the width to divide; a table whose W blocks of its rows
+  # (table placement pads every rank to it) exceed int32 ids is not placed
+  # whole on a rank.
+  allowed = [[p for p in ORDER
+              if (p != "column" or t.emb_width % ranks == 0)
+              and (p != "table" or ranks * t.vocab_rows <= MAX_INT32)]
              for t in tables]
   # 1. Each table where it alone sends least (then stores least).
   current = [min(ps, key=lambda p, t=t: model.alone(t, p)[::-1] +
@@ -392,8 +412,7 @@ def plan(tables: Sequence[TableSpec], features: Sequence[FeatureSpec],
   # 4. Never worse than a single placement for every table.
   candidates = [current] + [[p] * len(tables) for p in ORDER
                             if all(p in ps for ps in allowed)]
-  feasible = [c for c in candidates
-              if model.memory(model.placed(c)) <= budget]
+  feasible = [c for c in candidates if model.fits(model.placed(c), budget)]
   if not feasible:
     _raise_infeasible(model, candidates, tables, ranks, budget,
                       device_memory, reserve)
@@ -413,6 +432,50 @@ def plan(tables: Sequence[TableSpec], features: Sequence[FeatureSpec],
       column_only_sent=(int(round(model.sent(model.placed(column))))
                         if column_ok else None))
   return placed, report
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanCost:
+  """What placements cost under `plan`'s model (docs/planner.md).
+
+  memory_per_rank: bytes of tables and optimizer state every rank stores
+    as the collection stacks them (padding included; equal on every rank).
+  shard_bytes_per_rank: per rank, the bytes of the tables (or shards) it
+    holds, each table counted alone: without the padding a table stack
+    adds to reach its busiest rank.
+  sent_per_rank: bytes a rank sends (and receives) per step.
+  addressable: every stack within int32 row ids (else no collection holds
+    these placements as given).
+  """
+  memory_per_rank: int
+  shard_bytes_per_rank: tuple[int, ...]
+  sent_per_rank: int
+  addressable: bool
+
+
+def plan_cost(tables: Sequence[TableSpec], features: Sequence[FeatureSpec],
+              ranks: int, *, batch_size: int,
+              stats: Mapping[str, FeatureStats] | None = None) -> PlanCost:
+  """Scores the tables' placements (and ranks) as given, e.g. a plan made
+  by hand or by another planner, with the model `plan` minimizes."""
+  tables, features = tuple(tables), tuple(features)
+  check_specs(tables, features)
+  validation.check_positive("plan_cost ranks", ranks)
+  validation.check_positive("plan_cost batch_size", batch_size)
+  _check_stats(stats or {}, features)
+  model = _Model(tables, features, ranks, batch_size, dict(stats or {}))
+  homes = model.homes(tables)
+  shards = [0] * ranks
+  for t in tables:
+    mem = model.alone(t, t.placement)[0]
+    for r in [homes[t.name]] if t.name in homes else range(ranks):
+      shards[r] += mem
+  return PlanCost(
+      memory_per_rank=model.memory(tables),
+      shard_bytes_per_rank=tuple(shards),
+      sent_per_rank=int(round(model.sent(tables))),
+      addressable=all(s.total_rows <= MAX_INT32
+                      for s in model.stacks(tables)))
 
 
 def _raise_infeasible(model, candidates, tables, ranks, budget,

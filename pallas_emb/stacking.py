@@ -141,12 +141,13 @@ class CollectionPlan:
 
 
 def stack_tables(tables: Sequence[TableSpec],
-                 features: Sequence[FeatureSpec], ranks: int = 1
-                 ) -> CollectionPlan:
+                 features: Sequence[FeatureSpec], ranks: int = 1, *,
+                 max_rows: int | None = MAX_INT32) -> CollectionPlan:
   """Groups `tables` by (placement, emb_width, dtype, optimizer) into
   stacks, in the order the tables are given; each stack lists the features
   that read it. `ranks`: the communicator's size W (row and table
-  placements lay their rows out over it)."""
+  placements lay their rows out over it). A stack of more than `max_rows`
+  physical rows raises (None: no check, for the planner's costing)."""
   groups: dict[Any, list[TableSpec]] = {}
   for table in tables:
     if table.rank is not None and table.rank >= ranks:
@@ -163,20 +164,20 @@ def stack_tables(tables: Sequence[TableSpec],
       members, offsets, block_rows = _pack_blocks(members, ranks)
     names = tuple(t.name for t in members)
     rows = tuple(t.vocab_rows for t in members)
-    total = ranks * block_rows if placement == "table" else sum(rows)
-    if total > MAX_INT32:
-      raise InputError(
-          f"pallas_emb tables {list(names)} stack into {total} rows, "
-          "more than int32 row ids address; give one of them another "
-          "width, dtype, optimizer or placement so it is stored apart.")
     if placement != "table":
       offsets = tuple(int(o) for o in np.cumsum((0,) + rows[:-1]))
-    stacks.append(StackPlan(
+    stack = StackPlan(
         name=f"stack{i}", tables=names, row_offsets=offsets, vocab_rows=rows,
         emb_width=members[0].emb_width, dtype=members[0].dtype,
         optimizer=members[0].optimizer,
         features=tuple(f.name for f in features if f.table in names),
-        placement=placement, ranks=ranks, block_rows=block_rows))
+        placement=placement, ranks=ranks, block_rows=block_rows)
+    if max_rows is not None and stack.total_rows > max_rows:
+      raise InputError(
+          f"pallas_emb tables {list(names)} stack into {stack.total_rows} "
+          "rows, more than int32 row ids address; give one of them another "
+          "width, dtype, optimizer or placement so it is stored apart.")
+    stacks.append(stack)
   return CollectionPlan(tuple(stacks))
 
 

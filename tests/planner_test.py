@@ -5,6 +5,7 @@ stack of their own (every width differs): bytes per rank of the table and
 its row-wise Adagrad state, and bytes a rank sends per step.
 """
 
+import dataclasses
 import itertools
 import math
 
@@ -16,6 +17,7 @@ import jax
 import numpy as np
 
 import pallas_emb as pe
+from pallas_emb import stacking
 
 BATCH = 16  # examples per rank
 # (name, rows, width): rows divide by 8, so row and column placements store
@@ -167,6 +169,51 @@ class PlanTest(parameterized.TestCase):
     self.assertIsNone(report.column_only_memory)
     self.assertIn("column-only: impossible", str(report))
     self.assertIn("  t0: table on rank ", str(report))
+
+  def test_plan_cost(self):
+    """plan_cost scores a plan as the report does, and placements as given:
+    eight 8-row tables of width 6 all on rank 0 pad every rank to them."""
+    tables, features, stats = specs()
+    planned, report = run_plan(4, model_cost(["row"] * 4, 4)[1])
+    cost = pe.plan_cost(planned, features, 4, batch_size=BATCH, stats=stats)
+    self.assertEqual((cost.memory_per_rank, cost.sent_per_rank),
+                     (report.memory_per_rank[0], report.sent_per_rank[0]))
+    self.assertTrue(cost.addressable)
+    opt = pe.RowwiseAdagrad(0.1)
+    tables = [pe.TableSpec(f"t{i}", 8, 6, optimizer=opt, placement="table",
+                           rank=0) for i in range(8)]
+    features = [pe.FeatureSpec(f"f{i}", f"t{i}") for i in range(8)]
+    cost = pe.plan_cost(tables, features, 4, batch_size=16)
+    one = 8 * (6 * 4 + 4) + 4  # a table, its accumulator and step alone
+    self.assertEqual(cost.memory_per_rank, 64 * (6 * 4 + 4) + 4)
+    self.assertEqual(cost.shard_bytes_per_rank, (8 * one, 0, 0, 0))
+    # Rank 0 owns all 8 x 16 ids: its bucket from each rank is 64 ids.
+    self.assertEqual(cost.sent_per_rank, 3 * 64 * (4 + 6 * 4 + 6 * 4))
+
+  def test_stacks_stay_within_int32_rows(self):
+    """Two 600M-row tables on 4 ranks: whole on a rank each would send
+    least (a bucket of 16 ids, not a row stack's 32), but a table stack is
+    4 blocks of 600M rows, more than int32 ids address, so the plan is
+    row (1.2B rows), within the budget replicated misses."""
+    opt = pe.RowwiseAdagrad(0.1)
+    rows = 600_000_000
+    tables = [pe.TableSpec(n, rows, 6, optimizer=opt) for n in "ab"]
+    features = [pe.FeatureSpec(n, n) for n in "ab"]
+    planned, report = pe.plan(tables, features, test_util.mesh({"x": 4}),
+                              table_axis="x", batch_size=16,
+                              device_memory=10 * 10**9, reserve=0)
+    self.assertEqual([t.placement for t in planned], ["row", "row"])
+    self.assertEqual(report.memory_per_rank,
+                     (2 * rows // 4 * (6 * 4 + 4) + 4,) * 4)
+    self.assertEqual(report.sent_per_rank, (3 * 32 * (4 + 6 * 4 + 6 * 4),) * 4)
+    whole = [dataclasses.replace(t, placement="table") for t in tables]
+    with self.assertRaisesRegex(pe.InputError, "stack into 2400000000 rows"):
+      stacking.stack_tables(whole, features, 4)
+    self.assertEqual(
+        stacking.stack_tables(whole, features, 4, max_rows=None)
+        .stacks[0].total_rows, 4 * rows)
+    self.assertFalse(pe.plan_cost(whole, features, 4,
+                                  batch_size=16).addressable)
 
   def test_bad_inputs(self):
     tables, features, _ = specs()
