@@ -275,28 +275,21 @@ class EmbeddingCollection:
     codes, f32 scale and bias per row; `lookup` then returns float32
     embeddings, each element within `scale / 2` of the table's value plus
     f32 rounding); "bfloat16" / "float16": the tables cast (`lookup`
-    returns that dtype). No optimizer state; `lookup_and_route`,
+    returns that dtype). Every placement: the copy lies where the
+    stack's table does. No optimizer state; `lookup_and_route`,
     `apply_gradients` and the Trainer refuse it. A table with a non-finite
     row cannot be quantized to int8 (InputError).
     """
     state_lib.check_state(self.plan, state)
     name = quantize_lib.check_serving_dtype(dtype)
-    others = [s.name for s in self.plan.stacks if s.placement != "column"]
-    if others:
-      raise InputError(
-          f"pallas_emb quantize got stacks {others} that are not column-"
-          "placed; serving copies exist for column placement only so far, "
-          "so serve those tables from the training state.")
     return ServingState(
         {s.name: quantize_lib.quantize_rows(state.stacks[s.name].table, name)
-         for s in self.plan.stacks}, name, self.plan.fingerprint)
+         for s in self.plan.stacks}, name, self.plan.fingerprint,
+        state_lib.serving_layouts(self.plan))
 
   def _serving_specs(self, dtype: str):
-    if dtype == quantize_lib.INT8:
-      spec = quantize_lib.QuantizedRows(P(None, self.table_axis), P(), P())
-    else:
-      spec = P(None, self.table_axis)
-    return tuple(spec for _ in self.plan.stacks)
+    return tuple(quantize_lib.serving_spec(spec, dtype)
+                 for spec in self._table_specs())
 
   # --- per-call checks ----------------------------------------------------------
 

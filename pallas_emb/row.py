@@ -35,6 +35,7 @@ from jax import lax
 from pallas_emb import exchange
 from pallas_emb import kernels
 from pallas_emb import ordering
+from pallas_emb import quantize
 from pallas_emb import stack
 from pallas_emb import update as update_lib
 from pallas_emb.dedup import FILL_VALUE
@@ -42,6 +43,7 @@ from pallas_emb.dedup import unique_and_segments
 from pallas_emb.errors import InputError
 from pallas_emb.kernels import common
 from pallas_emb.layout import StackLayout
+from pallas_emb.quantize import QuantizedRows
 
 
 class RowRouting(NamedTuple):
@@ -143,22 +145,47 @@ def _local_bag_starts(layout: StackLayout) -> np.ndarray:
 
 def _serve(layout: StackLayout, backend: str, table, routing: RowRouting,
            received, kernel_config):
-  """`(embeddings per feature, the owner's gathered rows)`."""
+  """`(embeddings per feature, the owner's gathered rows)`.
+
+  `table` may be a row-wise int8 serving copy (`QuantizedRows`): the owner
+  then sends fused int8 rows (`quantize.fuse`) and this rank dequantizes
+  them inside its gather and pool (f32 out)."""
   config = kernel_config or kernels.KernelConfig()
-  gathered = kernels.gather_rows(table, _received_rows(received),
-                                 backend=backend, config=config.gather)
+  local = _received_rows(received)
+  quantized = isinstance(table, QuantizedRows)
+  if quantized:
+    gathered = quantize.fuse(QuantizedRows(
+        kernels.gather_rows(table.codes, local, backend=backend,
+                            config=config.gather),
+        jnp.take(table.scale, local), jnp.take(table.bias, local)))
+  else:
+    gathered = kernels.gather_rows(table, local, backend=backend,
+                                   config=config.gather)
   rows = exchange.all_to_all(layout.ctx, gathered)
-  # Slot W * C (an overflowed row) reads zeros.
+  # Slot W * C (an overflowed row) reads zeros (fused: codes, scale and
+  # bias 0).
   rows = jnp.concatenate([rows, jnp.zeros((1, rows.shape[1]), rows.dtype)])
   seq = layout.sequence_entries
+  bags = (routing.send_slot[seq:], routing.weights,
+          jnp.asarray(_local_bag_starts(layout))) if layout.pooled else ()
   served = []
-  if layout.sequence:
-    served.append(jnp.take(rows, routing.send_slot[:seq], axis=0))
-  if layout.pooled:
-    served.append(kernels.pool_rows(
-        rows, routing.send_slot[seq:], routing.weights,
-        jnp.asarray(_local_bag_starts(layout)), max_len=layout.max_bag_len,
-        backend=backend, config=config.pool))
+  if quantized:
+    rows = quantize.unfuse(rows)
+    if layout.sequence:
+      served.append(kernels.gather_dequantized(
+          *rows, routing.send_slot[:seq], backend=backend,
+          config=config.quantized))
+    if layout.pooled:
+      served.append(kernels.pool_dequantized(
+          *rows, *bags, max_len=layout.max_bag_len, backend=backend,
+          config=config.quantized))
+  else:
+    if layout.sequence:
+      served.append(jnp.take(rows, routing.send_slot[:seq], axis=0))
+    if layout.pooled:
+      served.append(kernels.pool_rows(
+          rows, *bags, max_len=layout.max_bag_len, backend=backend,
+          config=config.pool))
   out = jnp.concatenate(served) if len(served) > 1 else served[0]
   return stack.split_rows(layout, out), gathered
 
