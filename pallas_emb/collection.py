@@ -70,7 +70,8 @@ class EmbeddingCollection:
     data_axis: mesh axis name(s) the batch is sharded over (default:
       table_axis).
     replica_axis: mesh axis name(s) over which whole copies of the tables
-      are kept (the batch is sharded over replica_axis + data_axis).
+      are kept, any placement (the batch is sharded over replica_axis +
+      data_axis; every update sums all copies' gradients).
     backend: "pallas", "interpret", "xla" or None (pallas on GPU, else xla).
     kernel_config: tile sizes of the Pallas kernels (`kernels.KernelConfig`;
       None: each kernel's shape heuristic). The Trainer and the layers use
@@ -107,12 +108,6 @@ class EmbeddingCollection:
       if table.placement == "column":
         validation.check_width_shards(table.emb_width, self.group_size,
                                       f"table {table.name!r}")
-      elif self.replica_axis:
-        raise InputError(
-            f"pallas_emb TableSpec {table.name!r} placement="
-            f"{table.placement!r} with replica_axis={self.replica_axis}: "
-            "only column-placed tables keep copies over a replica axis so "
-            "far; use placement='column' or drop replica_axis.")
     self.tables = {t.name: t for t in tables}
     self.features = {f.name: f for f in features}
     self.plan = plan_lib.stack_tables(tables, features, self.group_size)

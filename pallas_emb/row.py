@@ -104,9 +104,11 @@ def _buckets(layout: StackLayout, keys: jax.Array):
   return send, send_slot, train_slot, overflow
 
 
-def _psum(ctx, x):
-  return lax.psum(x, exchange.axis_name(ctx.table_axis)) if (
-      ctx.group_size > 1) else x
+def _psum(ctx, x, replicas=False):
+  """`x` summed over the communicator (and over the replicas)."""
+  axes = ((ctx.table_axis if ctx.group_size > 1 else ())
+          + (ctx.replica_axis if replicas else ()))
+  return lax.psum(x, exchange.axis_name(axes)) if axes else x
 
 
 def _received_rows(received: jax.Array) -> jax.Array:
@@ -116,12 +118,17 @@ def _received_rows(received: jax.Array) -> jax.Array:
 
 
 def _owner_routing(layout: StackLayout, received: jax.Array):
-  """`(owner_unique, owner_segments, num_distinct)` of the received ids."""
+  """`(owner_unique, owner_segments, num_distinct)` of the received ids.
+
+  With replicas, the owner's unique rows are those every replica's senders
+  ask of it (the same on every replica: `update` then sums the replicas'
+  pieces of each slot in replica order, and every copy of the row gets the
+  same update)."""
   ctx = layout.ctx
   trains = (received >= 0) & (received != FILL_VALUE)
-  unique, segments, distinct, _ = unique_and_segments(
-      jnp.where(trains, received, FILL_VALUE), received.shape[0],
-      on_cpu=stack.on_cpu(ctx))
+  unique, segments, distinct, _ = stack.dedup_over_replicas(
+      ctx, jnp.where(trains, received, FILL_VALUE),
+      received.shape[0] * ctx.num_replicas)
   return unique, segments, _psum(ctx, distinct)
 
 
@@ -134,7 +141,7 @@ def _exchange_keys(layout: StackLayout, ids, weights):
   received = exchange.all_to_all(ctx, send)
   unique, segments, distinct = _owner_routing(layout, received)
   return RowRouting(send_slot, train_slot, entry_weights, unique, segments,
-                    distinct, _psum(ctx, overflow)), received
+                    distinct, _psum(ctx, overflow, replicas=True)), received
 
 
 def _local_bag_starts(layout: StackLayout) -> np.ndarray:
@@ -252,6 +259,8 @@ def dense_grad_stack(layout: StackLayout, table, ids, weights, cotangents):
   trains = (received >= 0) & (received != FILL_VALUE)
   dense = jnp.zeros(table.shape, jnp.float32).at[
       jnp.where(trains, received, table.shape[0])].add(sums, mode="drop")
+  if layout.ctx.replica_axis:
+    dense = lax.psum(dense, layout.ctx.replica_axis)
   return dense.astype(table.dtype)
 
 
@@ -265,16 +274,17 @@ def ids_per_partition(coll, batch) -> dict[str, int]:
     if layout.placement not in ("row", "table"):
       continue
     w = layout.ctx.group_size
+    ranks = w * coll.num_replicas  # the batch's shards
     for f in layout.features:
       keys = np.asarray(jax.device_get(stack.entry_keys(
           f, inputs.ids[f.name], inputs.weights.get(f.name))))
       rows = np.where(keys < 0, ~keys, keys).astype(np.int64).reshape(
-          w, -1)  # per rank
+          ranks, -1)  # per rank
       owners = (rows // layout.block_rows if layout.placement == "table"
                 else rows % w)
       per_rank = pairs.setdefault(coll.features[f.name].table,
-                                  [[] for _ in range(w)])
-      for r in range(w):
+                                  [[] for _ in range(ranks)])
+      for r in range(ranks):
         per_rank[r].append(rows[r] + owners[r] * 2**32)
   out = {}
   for table, per_rank in pairs.items():

@@ -208,6 +208,19 @@ class ServingTest(parameterized.TestCase):
     for name in want:
       test_util.assert_bits_equal(self, got[name], want[name], name)
 
+  def test_every_placement_over_a_replica_axis(self):
+    """Serving copies of a mixed collection kept whole on two replicas of
+    four ranks serve the numpy model too."""
+    coll = pe.EmbeddingCollection(tables(MIXED), features(),
+                                  test_util.mesh({"r": 2, "x": 4}), "x",
+                                  replica_axis="r", backend="xla")
+    serving = coll.quantize(self.state(coll), "int8")
+    batch = make_batch()
+    got = coll.lookup(serving, batch)
+    want = np_lookup(host_tables(), batch, "int8")
+    for name in want:
+      test_util.assert_bits_equal(self, got[name], want[name], name)
+
   def test_int8_rows_travel_fused(self):
     """A row stack's owner sends int8 rows as fused uint8 rows (codes, then
     scale and bias: D + 8 bytes), not as f32."""
