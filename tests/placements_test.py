@@ -207,6 +207,25 @@ class SpecTest(absltest.TestCase):
       pe.EmbeddingCollection(tables, [pe.FeatureSpec("f", "t")],
                              test_util.mesh({"x": 4}), "x")
 
+  def test_single_table_api_is_column_only(self):
+    """A row- or replicated-placed stack's table handed to the single-table
+    API (a facade over a one-table column collection) is refused, naming
+    the placements, not read as column rows."""
+    mesh = test_util.mesh({"x": 4})
+    ctx = pe.make_context(mesh, "x", tokens_per_batch=8, emb_width=8,
+                          num_unique=9)
+    for placement in ("row", "table", "replicated"):
+      coll = pe.EmbeddingCollection(
+          [pe.TableSpec("t", 16, 8, optimizer=pe.Sgd(0.1),
+                        placement=placement)],
+          [pe.FeatureSpec("f", "t")], mesh, "x")
+      table = coll.init(jax.random.key(0)).stacks["stack0"].table
+      with self.subTest(placement=placement):
+        with self.assertRaisesRegex(
+            pe.ShardingError, r"single-table API holds column-placed tables "
+            r"only.*TableSpec\(placement=\.\.\.\)"):
+          pe.lookup(ctx, table, np.arange(8, dtype=np.int32))
+
   def test_stacks_group_by_placement(self):
     opt = pe.Sgd(0.1)
     tables = [pe.TableSpec(n, 10 + i, 8, optimizer=opt, placement=p)
