@@ -346,6 +346,28 @@ class OverflowTest(absltest.TestCase):
                                       grads)
     self.assertEqual(int(stats["stack0"].num_overflow), 0)
 
+  def test_the_trainer_raises_on_bucket_overflow(self):
+    """The Trainer checks `max_ids_per_partition` caps by itself (as
+    `max_unique` ones): the step raises; unchecked, its stats count."""
+    spec = pe.TableSpec("t", 10, 8, optimizer=pe.Sgd(1.0), placement="row",
+                        max_ids_per_partition=1)
+    coll = pe.EmbeddingCollection([spec], [pe.FeatureSpec("f", "t")],
+                                  test_util.mesh({"x": 2}), "x")
+    batch = {"f": np.array([0, 2, 4, 5, 0, 0], np.int32)}  # 2 overflow
+    loss = lambda params, emb, b: (jnp.sum(emb["f"]), ())
+    for check in (True, False):
+      trainer = pe.Trainer(coll, loss, optax.sgd(0.1), pipelined=False,
+                           check_overflow=check)
+      state = trainer.init(coll.init(jax.random.key(0)), {})
+      step = jax.jit(trainer.step)
+      if check:
+        with self.assertRaisesRegex(Exception, "had 2 more distinct ids.*"
+                                    "max_ids_per_partition"):
+          jax.block_until_ready(step(state, batch))
+      else:
+        _, metrics = step(state, batch)
+        self.assertEqual(int(metrics.updates["stack0"].num_overflow), 2)
+
   def test_overflow_over_replicas(self):
     """Over a replica axis the buckets are per rank as without it: the
     same batch on two copies of two ranks counts each rank's sends, and
@@ -424,24 +446,31 @@ class StateTest(absltest.TestCase):
 
   def test_checkpoint_of_tables_narrower_than_the_ranks(self):
     """A row / table / replicated table may be narrower than the ranks (no
-    column split): its checkpoint restores all the same."""
-    mesh = test_util.mesh({"x": 4})
+    column split): its checkpoint restores all the same, under its own
+    placement, the next one, and over another rank count."""
+    others = {"row": "table", "table": "replicated", "replicated": "row"}
+    make = lambda placement, ranks: pe.EmbeddingCollection(
+        [pe.TableSpec("t", 10, 2, optimizer=pe.RowwiseAdagrad(0.1),
+                      placement=placement)],
+        [pe.FeatureSpec("f", "t")], test_util.mesh({"x": ranks}), "x")
     for placement in ("row", "table", "replicated"):
-      coll = pe.EmbeddingCollection(
-          [pe.TableSpec("t", 10, 2, optimizer=pe.RowwiseAdagrad(0.1),
-                        placement=placement)],
-          [pe.FeatureSpec("f", "t")], mesh, "x")
+      coll = make(placement, 4)
       state = coll.init(jax.random.key(3))
+      # Trained once: the row-wise state is not its initial value.
+      batch = {"f": np.arange(8, dtype=np.int32)}
+      state, _ = coll.apply_gradients(
+          state, batch, {"f": np.ones((8, 2), np.float32)})
+      want = jax.tree.map(test_util.as_numpy, (
+          coll.table_arrays(state), coll.optimizer_arrays(state)))
       with tempfile.TemporaryDirectory() as directory:
         path = os.path.join(directory, "ckpt")
         checkpoint.save_collection(path, coll, state, step=1)
-        restored, _ = checkpoint.restore_collection(path, coll)
-      jax.tree.map(np.testing.assert_array_equal,
-                   jax.tree.map(test_util.as_numpy, (
-                       coll.table_arrays(restored),
-                       coll.optimizer_arrays(restored))),
-                   jax.tree.map(test_util.as_numpy, (
-                       coll.table_arrays(state), coll.optimizer_arrays(state))))
+        for other in (coll, make(others[placement], 4), make(placement, 2)):
+          restored, _ = checkpoint.restore_collection(path, other)
+          jax.tree.map(np.testing.assert_array_equal,
+                       jax.tree.map(test_util.as_numpy, (
+                           other.table_arrays(restored),
+                           other.optimizer_arrays(restored))), want)
 
   def test_plan_bytes_match_the_shards(self):
     """describe()'s bytes per rank are the state arrays' shards on every
