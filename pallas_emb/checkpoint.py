@@ -59,6 +59,7 @@ from pallas_emb.checksums import bit_width
 from pallas_emb.checksums import checksums
 from pallas_emb.errors import CheckpointError
 from pallas_emb.state import ServingState
+from pallas_emb.state import serving_layouts
 
 # Orbax's commit marker (written last in both of its atomicity modes).
 _COMMIT_MARKER = "commit_success.txt"
@@ -491,23 +492,24 @@ def restore_collection(directory, coll, *, step: int | None = None,
 def serving_target(coll, dtype: str) -> ServingState:
   """The `restore` target of a saved `coll.quantize(state, dtype)`: every
   stack's serving arrays as ShapeDtypeStructs placed where `coll.lookup`
-  reads them (codes / cast tables column-sharded, scale and bias
-  replicated)."""
+  reads them (codes / cast tables as the stack's table, scale and bias with
+  its rows: `quantize.serving_spec`)."""
   dtype = quantize.check_serving_dtype(dtype)
-  replicated = jax.sharding.NamedSharding(coll.mesh,
-                                          jax.sharding.PartitionSpec())
   stacks = {}
   for stack in coll.plan.stacks:
     shape = (stack.total_rows, stack.emb_width)
+    spec = quantize.serving_spec(coll.stack_sharding(stack).spec, dtype)
+    place = lambda p, shape, dt: jax.ShapeDtypeStruct(
+        shape, dt, sharding=jax.sharding.NamedSharding(coll.mesh, p))
     if dtype == quantize.INT8:
-      rows = jax.ShapeDtypeStruct(shape[:1], jnp.float32, sharding=replicated)
       stacks[stack.name] = quantize.QuantizedRows(
-          jax.ShapeDtypeStruct(shape, jnp.uint8,
-                               sharding=coll.table_sharding()), rows, rows)
+          place(spec.codes, shape, jnp.uint8),
+          place(spec.scale, shape[:1], jnp.float32),
+          place(spec.bias, shape[:1], jnp.float32))
     else:
-      stacks[stack.name] = jax.ShapeDtypeStruct(
-          shape, jnp.dtype(dtype), sharding=coll.table_sharding())
-  return ServingState(stacks, dtype, coll.plan.fingerprint)
+      stacks[stack.name] = place(spec, shape, jnp.dtype(dtype))
+  return ServingState(stacks, dtype, coll.plan.fingerprint,
+                      serving_layouts(coll.plan))
 
 
 def restore_serving(directory, coll, dtype: str, *,
@@ -519,7 +521,19 @@ def restore_serving(directory, coll, dtype: str, *,
   The serving arrays are stored per stack, so `coll` must stack its tables
   as the quantizing collection did (same TableSpecs in the same order); a
   checkpoint of another stacking or dtype does not match the target and is
-  a CheckpointError. To serve under another stacking, quantize the state
-  restored by `restore_collection` instead.
+  a CheckpointError. Row and table stacks place their rows by the rank
+  count, so theirs restore over the same number of ranks only (else a
+  CheckpointError). To serve under another stacking or rank count,
+  quantize the state restored by `restore_collection` instead.
   """
-  return restore(directory, serving_target(coll, dtype), step=step)
+  target = serving_target(coll, dtype)
+  step, saved = _saved_tree(directory, step)
+  saved_layouts = sorted(_flat(saved.get("layouts", {})))
+  if saved_layouts != sorted(target.layouts):
+    raise CheckpointError(
+        f"pallas_emb restore_serving {directory} step {step}: its row and "
+        f"table stacks were laid out as {saved_layouts} (stack_ranks<W>); "
+        f"this collection lays them out as {sorted(target.layouts)}, with "
+        "their rows elsewhere. Restore onto as many ranks, or quantize the "
+        "state restore_collection restores.")
+  return restore(directory, target, step=step)

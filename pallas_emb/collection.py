@@ -70,7 +70,8 @@ class EmbeddingCollection:
     data_axis: mesh axis name(s) the batch is sharded over (default:
       table_axis).
     replica_axis: mesh axis name(s) over which whole copies of the tables
-      are kept (the batch is sharded over replica_axis + data_axis).
+      are kept, any placement (the batch is sharded over replica_axis +
+      data_axis; every update sums all copies' gradients).
     backend: "pallas", "interpret", "xla" or None (pallas on GPU, else xla).
     kernel_config: tile sizes of the Pallas kernels (`kernels.KernelConfig`;
       None: each kernel's shape heuristic). The Trainer and the layers use
@@ -107,12 +108,6 @@ class EmbeddingCollection:
       if table.placement == "column":
         validation.check_width_shards(table.emb_width, self.group_size,
                                       f"table {table.name!r}")
-      elif self.replica_axis:
-        raise InputError(
-            f"pallas_emb TableSpec {table.name!r} placement="
-            f"{table.placement!r} with replica_axis={self.replica_axis}: "
-            "only column-placed tables keep copies over a replica axis so "
-            "far; use placement='column' or drop replica_axis.")
     self.tables = {t.name: t for t in tables}
     self.features = {f.name: f for f in features}
     self.plan = plan_lib.stack_tables(tables, features, self.group_size)
@@ -275,28 +270,21 @@ class EmbeddingCollection:
     codes, f32 scale and bias per row; `lookup` then returns float32
     embeddings, each element within `scale / 2` of the table's value plus
     f32 rounding); "bfloat16" / "float16": the tables cast (`lookup`
-    returns that dtype). No optimizer state; `lookup_and_route`,
+    returns that dtype). Every placement: the copy lies where the
+    stack's table does. No optimizer state; `lookup_and_route`,
     `apply_gradients` and the Trainer refuse it. A table with a non-finite
     row cannot be quantized to int8 (InputError).
     """
     state_lib.check_state(self.plan, state)
     name = quantize_lib.check_serving_dtype(dtype)
-    others = [s.name for s in self.plan.stacks if s.placement != "column"]
-    if others:
-      raise InputError(
-          f"pallas_emb quantize got stacks {others} that are not column-"
-          "placed; serving copies exist for column placement only so far, "
-          "so serve those tables from the training state.")
     return ServingState(
         {s.name: quantize_lib.quantize_rows(state.stacks[s.name].table, name)
-         for s in self.plan.stacks}, name, self.plan.fingerprint)
+         for s in self.plan.stacks}, name, self.plan.fingerprint,
+        state_lib.serving_layouts(self.plan))
 
   def _serving_specs(self, dtype: str):
-    if dtype == quantize_lib.INT8:
-      spec = quantize_lib.QuantizedRows(P(None, self.table_axis), P(), P())
-    else:
-      spec = P(None, self.table_axis)
-    return tuple(spec for _ in self.plan.stacks)
+    return tuple(quantize_lib.serving_spec(spec, dtype)
+                 for spec in self._table_specs())
 
   # --- per-call checks ----------------------------------------------------------
 

@@ -141,8 +141,10 @@ class EmbeddingCollection(hk.Module):
   """A `pallas_emb.EmbeddingCollection` as a Haiku module.
 
   `__call__(batch) -> {feature: embeddings}`. Params: one per stack
-  (`collection.plan`), named by the stack, column-sharded and initialized
-  from each table's own initializer. Plain `jax.grad` + optax trains them
+  (`collection.plan`), named by the stack, placed as the collection places
+  the stack (`collection.stack_sharding`: column-sharded, by rows or
+  replicated, by its placement) and initialized from each table's own
+  initializer. Plain `jax.grad` + optax trains them
   (dense cotangents); for the sparse step build a `CollectionState` with
   `collection.state_from_stacks(params[module_name])` and use
   `pallas_emb.Trainer`.

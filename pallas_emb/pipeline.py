@@ -74,9 +74,11 @@ class Trainer:
     dense_optimizer: any optax GradientTransformation for dense_params.
     pipelined: one-step-stale pipelined step (True) or synchronous (False).
     check_overflow: raise when a table's batch had more distinct rows than
-      its `TableSpec.max_unique` (whose gradients were then not applied):
-      the step's result fails to materialize with the collection's
-      `UniqueOverflowError` message. False: read the stats yourself with
+      its `TableSpec.max_unique` (row and table placements: more for one
+      owner than its `max_ids_per_partition`), whose gradients were then
+      not applied: the step's result fails to materialize with the
+      collection's `UniqueOverflowError` message. False: read the stats
+      yourself with
       `collection.raise_if_overflow(metrics.updates)`.
   """
   collection: EmbeddingCollection

@@ -25,10 +25,16 @@ the same, so a table quantized by either reads back the same way.
 
 "bfloat16" and "float16" are plain casts (round to nearest even).
 
-Tables are `[V, D]` global arrays, typically column-sharded: the min and max
-are over the full row (XLA reduces across the column shards), so `scale` and
-`bias` are `[V]` (replicated, like row-wise optimizer state) and the codes
-keep the table's column sharding.
+Tables are `[V, D]` global arrays of any placement: the min and max are
+over the full row (for a column-sharded table XLA reduces across the column
+shards), the codes keep the table's sharding and `scale` and `bias` (`[V]`)
+lie with the table's rows (`rows_spec`): replicated for column and
+replicated tables, over the ranks for row and table ones.
+
+A row- or table-placed int8 table sends an owner's rows to the readers as
+FBGEMM's fused rows (`fuse`): the codes, then scale and bias as 8 bytes, one
+uint8 array of `D + 8` columns, a quarter of f32 rows' bytes; the reader
+dequantizes them inside its gather and pool.
 """
 
 from __future__ import annotations
@@ -38,6 +44,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -72,6 +79,35 @@ def check_serving_dtype(dtype) -> str:
   return name
 
 
+def rows_spec(table_spec: P) -> P:
+  """The PartitionSpec of a serving table's `scale` and `bias`: the rows'
+  partition of the table's (`table_spec`)."""
+  return P(table_spec[0]) if len(table_spec) else P()
+
+
+def serving_spec(table_spec: P, dtype: str):
+  """The PartitionSpec(s) of a serving copy of a table placed as
+  `table_spec`: `QuantizedRows` of them for int8, else the table's."""
+  if dtype != INT8:
+    return table_spec
+  return QuantizedRows(table_spec, rows_spec(table_spec),
+                       rows_spec(table_spec))
+
+
+def fuse(rows: QuantizedRows) -> jax.Array:
+  """uint8 `[N, D + 8]`: each row's codes, then its scale and bias bytes."""
+  tail = lax.bitcast_convert_type(jnp.stack([rows.scale, rows.bias], -1),
+                                  jnp.uint8).reshape(-1, 8)
+  return jnp.concatenate([rows.codes, tail], axis=1)
+
+
+def unfuse(fused: jax.Array) -> QuantizedRows:
+  """The inverse of `fuse` (an all-zero row reads back as zeros)."""
+  tail = lax.bitcast_convert_type(fused[:, -8:].reshape(-1, 2, 4),
+                                  jnp.float32)
+  return QuantizedRows(fused[:, :-8], tail[:, 0], tail[:, 1])
+
+
 def _check_table(table) -> None:
   shape, dtype = np.shape(table), getattr(table, "dtype", None)
   if len(shape) != 2 or dtype is None or not jnp.issubdtype(dtype,
@@ -104,7 +140,7 @@ def quantize_rows(table: jax.Array, dtype: str):
   Returns `QuantizedRows` for "int8", else the table cast to `dtype`. Works
   under jit (then a non-finite row reads back as NaN: its min, max or range
   is not finite). Called on a concrete array, the codes keep its
-  sharding, `scale` and `bias` are replicated over its mesh, and a table
+  sharding, `scale` and `bias` lie with its rows (`rows_spec`), and a table
   with a non-finite value, or a row whose max - min overflows f32, is
   rejected with InputError.
   """
@@ -117,7 +153,7 @@ def quantize_rows(table: jax.Array, dtype: str):
   table = jnp.asarray(table)
   sharding = table.sharding
   if isinstance(sharding, NamedSharding):
-    rows = NamedSharding(sharding.mesh, P())
+    rows = NamedSharding(sharding.mesh, rows_spec(sharding.spec))
     out = jax.jit(_quantize_int8, out_shardings=QuantizedRows(
         sharding, rows, rows))(table)
   else:

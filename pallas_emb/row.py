@@ -46,6 +46,7 @@ from jax import lax
 from pallas_emb import exchange
 from pallas_emb import kernels
 from pallas_emb import ordering
+from pallas_emb import quantize
 from pallas_emb import stack
 from pallas_emb import update as update_lib
 from pallas_emb.dedup import FILL_VALUE
@@ -53,6 +54,7 @@ from pallas_emb.dedup import unique_and_segments
 from pallas_emb.errors import InputError
 from pallas_emb.kernels import common
 from pallas_emb.layout import StackLayout
+from pallas_emb.quantize import QuantizedRows
 
 
 class RowRouting(NamedTuple):
@@ -115,9 +117,11 @@ def _buckets(layout: StackLayout, keys: jax.Array):
   return send, send_slot, train_slot, overflow
 
 
-def _psum(ctx, x):
-  return lax.psum(x, exchange.axis_name(ctx.table_axis)) if (
-      ctx.group_size > 1) else x
+def _psum(ctx, x, replicas=False):
+  """`x` summed over the communicator (and over the replicas)."""
+  axes = ((ctx.table_axis if ctx.group_size > 1 else ())
+          + (ctx.replica_axis if replicas else ()))
+  return lax.psum(x, exchange.axis_name(axes)) if axes else x
 
 
 def _received_rows(received: jax.Array) -> jax.Array:
@@ -127,12 +131,17 @@ def _received_rows(received: jax.Array) -> jax.Array:
 
 
 def _owner_routing(layout: StackLayout, received: jax.Array):
-  """`(owner_unique, owner_segments, num_distinct)` of the received ids."""
+  """`(owner_unique, owner_segments, num_distinct)` of the received ids.
+
+  With replicas, the owner's unique rows are those every replica's senders
+  ask of it (the same on every replica: `update` then sums the replicas'
+  pieces of each slot in replica order, and every copy of the row gets the
+  same update)."""
   ctx = layout.ctx
   trains = (received >= 0) & (received != FILL_VALUE)
-  unique, segments, distinct, _ = unique_and_segments(
-      jnp.where(trains, received, FILL_VALUE),
-      ctx.group_size * layout.capacity, on_cpu=stack.on_cpu(ctx))
+  unique, segments, distinct, _ = stack.dedup_over_replicas(
+      ctx, jnp.where(trains, received, FILL_VALUE),
+      received.shape[0] * ctx.num_replicas)
   return unique, segments, _psum(ctx, distinct)
 
 
@@ -169,7 +178,7 @@ def _exchange_keys(layout: StackLayout, ids, weights):
     received = received[:, 0].reshape(-1)
   unique, segments, distinct = _owner_routing(layout, received)
   return RowRouting(send_slot, train_slot, entry_weights, unique, segments,
-                    distinct, _psum(ctx, overflow)), received
+                    distinct, _psum(ctx, overflow, replicas=True)), received
 
 
 def _local_bag_starts(layout: StackLayout) -> np.ndarray:
@@ -193,36 +202,69 @@ def _serve_on_owner(layout: StackLayout, backend: str, table,
   its entries per (sender, bag) in f32, each rank sums its bags' W
   partials in rank order and rounds once."""
   ctx = layout.ctx
-  partials = kernels.pool_rows(
-      table, _received_rows(received), routing.weights,
-      jnp.asarray(layout.bag_starts()), max_len=layout.max_bag_len,
-      backend=backend, config=config.pool, out_dtype=jnp.float32)
+  bags = (_received_rows(received), routing.weights,
+          jnp.asarray(layout.bag_starts()))
+  if isinstance(table, QuantizedRows):  # a serving copy: f32 out
+    partials = kernels.pool_dequantized(
+        *table, *bags, max_len=layout.max_bag_len, backend=backend,
+        config=config.quantized)
+    out_dtype = jnp.float32
+  else:
+    partials = kernels.pool_rows(
+        table, *bags, max_len=layout.max_bag_len, backend=backend,
+        config=config.pool, out_dtype=jnp.float32)
+    out_dtype = table.dtype
   mine = exchange.all_to_all(ctx, partials).reshape(
       ctx.group_size, layout.pooled_bags, -1)
-  pooled = _sum_in_rank_order(mine).astype(table.dtype)
+  pooled = _sum_in_rank_order(mine).astype(out_dtype)
   return stack.split_rows(layout, pooled), partials
 
 
 def _serve(layout: StackLayout, backend: str, table, routing: RowRouting,
            received, kernel_config):
-  """`(embeddings per feature, the owner's gathered rows)`."""
+  """`(embeddings per feature, the owner's gathered rows)`.
+
+  `table` may be a row-wise int8 serving copy (`QuantizedRows`): the owner
+  then sends fused int8 rows (`quantize.fuse`) and this rank dequantizes
+  them inside its gather and pool (f32 out)."""
   config = kernel_config or kernels.KernelConfig()
   if layout.pool_on_owner:
     return _serve_on_owner(layout, backend, table, routing, received, config)
-  gathered = kernels.gather_rows(table, _received_rows(received),
-                                 backend=backend, config=config.gather)
+  local = _received_rows(received)
+  quantized = isinstance(table, QuantizedRows)
+  if quantized:
+    gathered = quantize.fuse(QuantizedRows(
+        kernels.gather_rows(table.codes, local, backend=backend,
+                            config=config.gather),
+        jnp.take(table.scale, local), jnp.take(table.bias, local)))
+  else:
+    gathered = kernels.gather_rows(table, local, backend=backend,
+                                   config=config.gather)
   rows = exchange.all_to_all(layout.ctx, gathered)
-  # Slot W * C (an overflowed row) reads zeros.
+  # Slot W * C (an overflowed row) reads zeros (fused: codes, scale and
+  # bias 0).
   rows = jnp.concatenate([rows, jnp.zeros((1, rows.shape[1]), rows.dtype)])
   seq = layout.sequence_entries
+  bags = (routing.send_slot[seq:], routing.weights,
+          jnp.asarray(_local_bag_starts(layout))) if layout.pooled else ()
   served = []
-  if layout.sequence:
-    served.append(jnp.take(rows, routing.send_slot[:seq], axis=0))
-  if layout.pooled:
-    served.append(kernels.pool_rows(
-        rows, routing.send_slot[seq:], routing.weights,
-        jnp.asarray(_local_bag_starts(layout)), max_len=layout.max_bag_len,
-        backend=backend, config=config.pool))
+  if quantized:
+    rows = quantize.unfuse(rows)
+    if layout.sequence:
+      served.append(kernels.gather_dequantized(
+          *rows, routing.send_slot[:seq], backend=backend,
+          config=config.quantized))
+    if layout.pooled:
+      served.append(kernels.pool_dequantized(
+          *rows, *bags, max_len=layout.max_bag_len, backend=backend,
+          config=config.quantized))
+  else:
+    if layout.sequence:
+      served.append(jnp.take(rows, routing.send_slot[:seq], axis=0))
+    if layout.pooled:
+      served.append(kernels.pool_rows(
+          rows, *bags, max_len=layout.max_bag_len, backend=backend,
+          config=config.pool))
   out = jnp.concatenate(served) if len(served) > 1 else served[0]
   return stack.split_rows(layout, out), gathered
 
@@ -309,6 +351,8 @@ def dense_grad_stack(layout: StackLayout, table, ids, weights, cotangents):
   trains = (received >= 0) & (received != FILL_VALUE)
   dense = jnp.zeros(table.shape, jnp.float32).at[
       jnp.where(trains, received, table.shape[0])].add(sums, mode="drop")
+  if layout.ctx.replica_axis:
+    dense = lax.psum(dense, layout.ctx.replica_axis)
   return dense.astype(table.dtype)
 
 
@@ -322,16 +366,17 @@ def ids_per_partition(coll, batch) -> dict[str, int]:
     if layout.placement not in ("row", "table"):
       continue
     w = layout.ctx.group_size
+    ranks = w * coll.num_replicas  # the batch's shards
     for f in layout.features:
       keys = np.asarray(jax.device_get(stack.entry_keys(
           f, inputs.ids[f.name], inputs.weights.get(f.name))))
       rows = np.where(keys < 0, ~keys, keys).astype(np.int64).reshape(
-          w, -1)  # per rank
+          ranks, -1)  # per rank
       owners = (rows // layout.block_rows if layout.placement == "table"
                 else rows % w)
       per_rank = pairs.setdefault(coll.features[f.name].table,
-                                  [[] for _ in range(w)])
-      for r in range(w):
+                                  [[] for _ in range(ranks)])
+      for r in range(ranks):
         per_rank[r].append(rows[r] + owners[r] * 2**32)
   out = {}
   for table, per_rank in pairs.items():

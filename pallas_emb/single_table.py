@@ -16,6 +16,10 @@ collection's per-rank code. What is added here: the context's checks
 `DedupResult` view of a stack's routing: `unique_tokens [num_unique]` and
 one segment id per token, shaped and sharded like the ids.
 
+Column placement only, by design: a row, table or replicated table lives
+in an `EmbeddingCollection` (`TableSpec(placement=...)`); a table laid out
+as one is refused by `validation.check_table` (docs/placements.md).
+
 `lookup_and_dedup` is the one-all-gather step (the collection's
 `lookup_and_route`); it orders the lookup's reads before the update's
 write, so a step whose gradients do not read the embeddings (a loss linear

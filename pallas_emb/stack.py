@@ -329,19 +329,27 @@ def grad_sums_by_position(layout: StackLayout, grads: Sequence[jax.Array],
 
 def route(layout: StackLayout, keys_all, weights_all) -> StackRouting:
   """Dedup of the communicator's keys (global over replicas)."""
-  ctx = layout.ctx
   keys = jnp.where(keys_all < 0, FILL_VALUE, keys_all).reshape(-1)
+  unique, segments, distinct, overflow = dedup_over_replicas(
+      layout.ctx, keys, layout.ctx.num_unique, layout.regions)
+  return StackRouting(unique, segments, weights_all.reshape(-1), distinct,
+                      overflow)
+
+
+def dedup_over_replicas(ctx, keys: jax.Array, num_unique: int, regions=()):
+  """`unique_and_segments` of `keys` `[N]` (FILL_VALUE: none) over every
+  replica: the unique rows are the same on every replica (so each applies
+  the same update to the same slots), the segments this replica's `[N]`."""
   n = keys.shape[0]
   if ctx.replica_axis:
     keys = lax.all_gather(keys, exchange.axis_name(ctx.replica_axis),
                           axis=0, tiled=True)
   unique, segments, distinct, overflow = unique_and_segments(
-      keys, ctx.num_unique, regions=layout.regions, on_cpu=on_cpu(ctx))
+      keys, num_unique, regions=regions, on_cpu=on_cpu(ctx))
   if ctx.replica_axis:
     replica = lax.axis_index(exchange.axis_name(ctx.replica_axis))
     segments = lax.dynamic_slice_in_dim(segments, replica * n, n)
-  return StackRouting(unique, segments, weights_all.reshape(-1), distinct,
-                      overflow)
+  return unique, segments, distinct, overflow
 
 
 def on_cpu(ctx) -> bool:

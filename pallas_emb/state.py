@@ -65,21 +65,38 @@ class Routing:
 
 
 @functools.partial(jax.tree_util.register_dataclass,
-                   data_fields=["stacks"], meta_fields=["dtype", "fingerprint"])
+                   data_fields=["stacks", "layouts"],
+                   meta_fields=["dtype", "fingerprint"])
 @dataclasses.dataclass(frozen=True)
 class ServingState:
   """A read-only serving copy of a collection's tables (`coll.quantize`).
 
   `stacks`: stack name -> `QuantizedRows` (dtype "int8": uint8 codes with
-  the table's column sharding, f32 scale and bias per row, replicated) or
+  the stack table's sharding, f32 scale and bias per row, with its rows) or
   the stack's table cast to `dtype` ("bfloat16", "float16"). No optimizer
   state: `coll.lookup` reads it, nothing trains it. `dtype` and
   `fingerprint` (static, as `CollectionState`'s) are not saved in a
   checkpoint; `checkpoint.restore_serving` takes them from the collection.
+  `layouts` (`serving_layouts`) names the rank count of its row and table
+  stacks in a checkpoint's keys.
   """
   stacks: dict[str, QuantizedRows | jax.Array]
   dtype: str
   fingerprint: str | None = None
+  layouts: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
+
+
+def serving_layouts(plan) -> dict[str, np.ndarray]:
+  """`{"<stack>_ranks<W>": W}` for each row or table stack of `plan`.
+
+  Their rows' places in the physical array depend on the rank count W
+  (`stacking.py`), so a serving checkpoint of them is only valid over W
+  ranks: with W in its keys, a restore over other ranks is refused before
+  anything is read. Column and replicated stacks are laid out the same
+  over any W (no entry).
+  """
+  return {f"{s.name}_ranks{s.ranks}": np.asarray(s.ranks, np.int32)
+          for s in plan.stacks if s.placement in ("row", "table")}
 
 
 def check_state(plan, state) -> None:

@@ -359,8 +359,11 @@ def check_table(ctx: EmbeddingContext, table, what: str = "table") -> None:
     if not table.sharding.is_equivalent_to(expected, 2):
       raise ShardingError(
           f"pallas_emb {what} is sharded as {table.sharding}; expected its "
-          f"columns over table_axis {ctx.table_axis} ({expected.spec}). Place "
-          "it with jax.device_put(table, pallas_emb.table_sharding(ctx)).")
+          f"columns over table_axis {ctx.table_axis} ({expected.spec}): the "
+          "single-table API holds column-placed tables only. Place it with "
+          "jax.device_put(table, pallas_emb.table_sharding(ctx)), or keep a "
+          "row, table or replicated table in a pallas_emb.EmbeddingCollection "
+          "(TableSpec(placement=...)).")
 
 
 def check_table_array(table, emb_width: int, what: str = "table") -> None:

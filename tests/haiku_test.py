@@ -305,14 +305,15 @@ class GradTrainingTest(parameterized.TestCase):
 SEQ = 3
 
 
-def three_table_collection(mesh, backend):
+def three_table_collection(mesh, backend, placements=("column",) * 3):
   """3 tables (users + items stack, genre alone), 4 features: "item" and
   the [B, SEQ] "history" share the items table."""
   opt = pe.RowwiseAdagrad(0.2)
+  users, items, genre = placements
   return pe.EmbeddingCollection(
-      [pe.TableSpec("users", 23, 16, optimizer=opt),
-       pe.TableSpec("items", 29, 16, optimizer=opt),
-       pe.TableSpec("genre", 7, 8, optimizer=opt)],
+      [pe.TableSpec("users", 23, 16, optimizer=opt, placement=users),
+       pe.TableSpec("items", 29, 16, optimizer=opt, placement=items),
+       pe.TableSpec("genre", 7, 8, optimizer=opt, placement=genre)],
       [pe.FeatureSpec("user", "users"), pe.FeatureSpec("item", "items"),
        pe.FeatureSpec("history", "items"), pe.FeatureSpec("genre", "genre")],
       mesh, "x", backend=backend)
@@ -434,6 +435,45 @@ class EmbeddingCollectionModuleTest(parameterized.TestCase):
                                params)
     for stack in coll.plan.stacks:
       assert_table_sharded(self, self.mesh, trained["embed"][stack.name])
+
+  def test_mixed_placements(self):
+    """Row, table and replicated tables: each stack's param lies as the
+    collection places it, the lookup is `table[ids]` of the logical
+    tables, and plain jax.grad gives the reference's table gradients."""
+    mesh = test_util.mesh({"x": 2})
+    host, batch = collection_batch(mesh, 4, 2)
+    coll = three_table_collection(mesh, "xla",
+                                  ("row", "table", "replicated"))
+    self.assertEqual([s.placement for s in coll.plan.stacks],
+                     ["row", "table", "replicated"])
+    f = transform(lambda b: head(pe_haiku.EmbeddingCollection(
+        coll, name="embed")(b)))
+    params = jax.jit(f.init)(jax.random.key(0), batch)
+    for stack in coll.plan.stacks:
+      self.assertTrue(params["embed"][stack.name].sharding.is_equivalent_to(
+          coll.stack_sharding(stack), 2), stack.name)
+    tables = jax.device_get(self._logical(coll, params["embed"]))
+    emb = jax.jit(transform(lambda b: pe_haiku.EmbeddingCollection(
+        coll, name="embed")(b)).apply)({"embed": params["embed"]},
+                                       batch)
+    expected = gathered(coll, tables, host)
+    for name in coll.features:
+      test_util.assert_bits_equal(self, emb[name], np.asarray(expected[name]),
+                                  name)
+    dense = jax.device_get({k: v for k, v in params.items() if k != "embed"})
+    ref_f = transform(lambda tables, batch: head(gathered(coll, tables,
+                                                          batch)))
+    ref_grad = jax.grad(lambda t: jnp.mean((ref_f.apply(
+        dense, t, host) - host["label"])**2))(tables)
+    params = {k: v if k == "embed" else jax.device_put(
+        v, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+              for k, v in params.items()}
+    grad = jax.jit(jax.grad(lambda p: jnp.mean(
+        (f.apply(p, batch) - batch["label"])**2)))(params)
+    grad_tables = self._logical(coll, grad["embed"])
+    for name in coll.tables:
+      self.assertTrue(np.any(np.asarray(ref_grad[name]) != 0), name)
+      grads_close(self, grad_tables[name], ref_grad[name])
 
   def test_errors(self):
     coll = three_table_collection(self.mesh, "xla")

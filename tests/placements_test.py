@@ -49,14 +49,16 @@ def edge_ids(rng, shape, vocab):
   return ids.reshape(shape).astype(np.int32)
 
 
-def random_collection(seed, ranks):
+def random_collection(seed, ranks, replicas=1):
   """3-5 tables of every placement (widths 4-128, f32 / bf16, row-wise
-  Adagrad or SGD, padding or not), sequence, pooled and weighted features."""
+  Adagrad or SGD, padding or not), sequence, pooled and weighted features;
+  whole copies over a replica axis "r" if `replicas` > 1."""
   rng = np.random.default_rng(seed)
-  mesh = test_util.mesh({"x": ranks})
+  mesh = test_util.mesh({"r": replicas, "x": ranks} if replicas > 1
+                        else {"x": ranks})
   opts = [pe.RowwiseAdagrad(0.1), pe.Sgd(0.05)]
   tables, features, shapes = [], [], {}
-  batch_size = ranks * int(rng.integers(1, 3))
+  batch_size = ranks * replicas * int(rng.integers(1, 3))
   for t in range(int(rng.integers(3, 6))):
     placement = PLACEMENTS[(seed + t) % 4]
     widths = [w for w in (4, 8, 16, 32, 64, 128)
@@ -77,7 +79,8 @@ def random_collection(seed, ranks):
                                      weighted=kind == 2))
       shapes[name] = ((batch_size,) if kind == 0 and rng.random() < 0.5
                       else (batch_size, int(rng.integers(1, 4))))
-  coll = pe.EmbeddingCollection(tables, features, mesh, "x", backend="xla")
+  coll = pe.EmbeddingCollection(tables, features, mesh, "x", backend="xla",
+                                replica_axis="r" if replicas > 1 else ())
   return coll, shapes, rng
 
 
@@ -158,19 +161,28 @@ def assert_tables_close(got, want, msg):
 
 
 def assert_replicas_identical(test, coll, state):
-  """Every device's copy of a replicated stack (and its state) is the
-  same, bit for bit."""
+  """Every device's copy of the same part of a stack (and of its state) is
+  the same, bit for bit: a replicated stack's on every rank, and any
+  stack's on every replica of a replica axis."""
+  copies = coll.num_replicas
   for stack in coll.plan.stacks:
-    if stack.placement != "replicated":
-      continue
     for leaf in jax.tree.leaves(state.stacks[stack.name]):
-      shards = [np.asarray(s.data) for s in leaf.addressable_shards]
-      test.assertLen(shards, coll.group_size)
-      for i, shard in enumerate(shards[1:], 1):
-        np.testing.assert_array_equal(
-            shard.reshape(-1).view(np.uint8),
-            shards[0].reshape(-1).view(np.uint8),
-            err_msg=f"{stack.name} replica {i}")
+      by_index = {}
+      for s in leaf.addressable_shards:
+        by_index.setdefault(repr(s.index), []).append(np.asarray(s.data))
+      want = copies * (coll.group_size if stack.placement == "replicated"
+                       or leaf.ndim == 0 else 1)
+      for index, shards in by_index.items():
+        if leaf.ndim and stack.placement == "column" and len(shards) != (
+            want):  # row-wise state of a column stack: on every rank
+          test.assertLen(shards, copies * coll.group_size)
+        else:
+          test.assertLen(shards, want, f"{stack.name} {index}")
+        for i, shard in enumerate(shards[1:], 1):
+          np.testing.assert_array_equal(
+              shard.reshape(-1).view(np.uint8),
+              shards[0].reshape(-1).view(np.uint8),
+              err_msg=f"{stack.name} {index} copy {i}")
 
 
 class SpecTest(absltest.TestCase):
@@ -198,21 +210,24 @@ class SpecTest(absltest.TestCase):
       pe.EmbeddingCollection(tables, [pe.FeatureSpec("f", "t")],
                              test_util.mesh({"x": 4}), "x")
 
-  def test_column_only_features_refuse_other_placements(self):
-    spec = pe.TableSpec("t", 10, 8, optimizer=pe.Sgd(0.1), placement="row")
-    feats = [pe.FeatureSpec("f", "t")]
-    with self.assertRaisesRegex(pe.InputError,
-                                r"^pallas_emb TableSpec 't' placement='row' "
-                                r"with replica_axis=\('r',\)"):
-      pe.EmbeddingCollection([spec], feats,
-                             test_util.mesh({"r": 2, "x": 2}), "x",
-                             replica_axis="r")
-    coll = pe.EmbeddingCollection([spec], feats, test_util.mesh({"x": 2}),
-                                  "x")
-    with self.assertRaisesRegex(pe.InputError,
-                                r"^pallas_emb quantize got stacks \['stack0'\] "
-                                "that are not column-placed"):
-      coll.quantize(coll.init(jax.random.key(0)), "int8")
+  def test_single_table_api_is_column_only(self):
+    """A row- or replicated-placed stack's table handed to the single-table
+    API (a facade over a one-table column collection) is refused, naming
+    the placements, not read as column rows."""
+    mesh = test_util.mesh({"x": 4})
+    ctx = pe.make_context(mesh, "x", tokens_per_batch=8, emb_width=8,
+                          num_unique=9)
+    for placement in ("row", "table", "replicated"):
+      coll = pe.EmbeddingCollection(
+          [pe.TableSpec("t", 16, 8, optimizer=pe.Sgd(0.1),
+                        placement=placement)],
+          [pe.FeatureSpec("f", "t")], mesh, "x")
+      table = coll.init(jax.random.key(0)).stacks["stack0"].table
+      with self.subTest(placement=placement):
+        with self.assertRaisesRegex(
+            pe.ShardingError, r"single-table API holds column-placed tables "
+            r"only.*TableSpec\(placement=\.\.\.\)"):
+          pe.lookup(ctx, table, np.arange(8, dtype=np.int32))
 
   def test_stacks_group_by_placement(self):
     opt = pe.Sgd(0.1)
@@ -280,6 +295,16 @@ class ModelCheck:
 
 
 class PlacementModelTest(ModelCheck, parameterized.TestCase):
+
+  @parameterized.parameters((2, 4, 10), (4, 2, 13))
+  def test_replica_axis(self, replicas, ranks, seed):
+    """Whole copies of a mixed collection over a replica axis: every step
+    sums every replica's gradients (the numpy model sees the global
+    batch), and the copies stay bit-identical."""
+    coll, shapes, rng = random_collection(seed, ranks, replicas)
+    self.assertEqual(sorted({s.placement for s in coll.plan.stacks}),
+                     sorted(PLACEMENTS))
+    self._check(coll, shapes, rng, f"seed {seed}\n{coll.plan}")
 
   @parameterized.parameters(1, 2, 4, 8)
   def test_random_collections(self, ranks):
@@ -423,11 +448,56 @@ class OverflowTest(parameterized.TestCase):
     assert_tables_close(coll.table_arrays(state)["t"],
                         before - counts[:, None], "update")
 
+  def test_the_trainer_raises_on_bucket_overflow(self):
+    """The Trainer checks `max_ids_per_partition` caps by itself (as
+    `max_unique` ones): the step raises; unchecked, its stats count."""
+    spec = pe.TableSpec("t", 10, 8, optimizer=pe.Sgd(1.0), placement="row",
+                        max_ids_per_partition=1)
+    coll = pe.EmbeddingCollection([spec], [pe.FeatureSpec("f", "t")],
+                                  test_util.mesh({"x": 2}), "x")
+    batch = {"f": np.array([0, 2, 4, 5, 0, 0], np.int32)}  # 2 overflow
+    loss = lambda params, emb, b: (jnp.sum(emb["f"]), ())
+    for check in (True, False):
+      trainer = pe.Trainer(coll, loss, optax.sgd(0.1), pipelined=False,
+                           check_overflow=check)
+      state = trainer.init(coll.init(jax.random.key(0)), {})
+      step = jax.jit(trainer.step)
+      if check:
+        with self.assertRaisesRegex(Exception, "had 2 more distinct ids.*"
+                                    "max_ids_per_partition"):
+          jax.block_until_ready(step(state, batch))
+      else:
+        _, metrics = step(state, batch)
+        self.assertEqual(int(metrics.updates["stack0"].num_overflow), 2)
 
-def small_collection(placements, ranks=4):
+  def test_overflow_over_replicas(self):
+    """Over a replica axis the buckets are per rank as without it: the
+    same batch on two copies of two ranks counts each rank's sends, and
+    every replica reports the overflow of all of them."""
+    spec = pe.TableSpec("t", 10, 8, optimizer=pe.Sgd(1.0), placement="row",
+                        max_ids_per_partition=1)
+    coll = pe.EmbeddingCollection(
+        [spec], [pe.FeatureSpec("f", "t")], test_util.mesh({"r": 2, "x": 2}),
+        "x", replica_axis="r")
+    # Ranks (r, x): (0, 0) sends owner 0 rows 0, 2, 4 (2 overflow); (1, 1)
+    # sends owner 1 rows 1, 3 (1 overflows).
+    batch = {"f": np.array([0, 2, 4, 5, 0, 0, 0, 0, 0, 1, 3, 1], np.int32)}
+    uncapped = pe.EmbeddingCollection(
+        [dataclasses.replace(spec, max_ids_per_partition=None)],
+        [pe.FeatureSpec("f", "t")], coll.mesh, "x", replica_axis="r")
+    self.assertEqual(row.ids_per_partition(uncapped, batch), {"t": 3})
+    _, stats = coll.apply_gradients(coll.init(jax.random.key(0)), batch,
+                                    {"f": np.ones((12, 8), np.float32)})
+    self.assertEqual(int(stats["stack0"].num_overflow), 3)
+    with self.assertRaisesRegex(pe.UniqueOverflowError, "had 3 more"):
+      coll.raise_if_overflow(stats)
+
+
+def small_collection(placements, ranks=4, replicas=1):
   """Three tables (two widths, Adagrad and SGD) with the given placements,
-  a sequence and a pooled feature."""
-  mesh = test_util.mesh({"x": ranks})
+  a sequence and a pooled feature (whole copies over "r" if `replicas` >
+  1)."""
+  mesh = test_util.mesh({"r": replicas, "x": ranks})
   specs = [("a", 30, 8, pe.RowwiseAdagrad(0.1)), ("b", 13, 8,
                                                    pe.RowwiseAdagrad(0.1)),
            ("c", 9, 16, pe.Sgd(0.2))]
@@ -435,7 +505,8 @@ def small_collection(placements, ranks=4):
             for (n, rows, width, opt), p in zip(specs, placements)]
   features = [pe.FeatureSpec("fa", "a"), pe.FeatureSpec("fb", "b"),
               pe.FeatureSpec("fc", "c", combiner="mean")]
-  return pe.EmbeddingCollection(tables, features, mesh, "x")
+  return pe.EmbeddingCollection(tables, features, mesh, "x",
+                                replica_axis="r" if replicas > 1 else ())
 
 
 def small_batch(rng, ranks=4):
@@ -477,24 +548,31 @@ class StateTest(absltest.TestCase):
 
   def test_checkpoint_of_tables_narrower_than_the_ranks(self):
     """A row / table / replicated table may be narrower than the ranks (no
-    column split): its checkpoint restores all the same."""
-    mesh = test_util.mesh({"x": 4})
+    column split): its checkpoint restores all the same, under its own
+    placement, the next one, and over another rank count."""
+    others = {"row": "table", "table": "replicated", "replicated": "row"}
+    make = lambda placement, ranks: pe.EmbeddingCollection(
+        [pe.TableSpec("t", 10, 2, optimizer=pe.RowwiseAdagrad(0.1),
+                      placement=placement)],
+        [pe.FeatureSpec("f", "t")], test_util.mesh({"x": ranks}), "x")
     for placement in ("row", "table", "replicated"):
-      coll = pe.EmbeddingCollection(
-          [pe.TableSpec("t", 10, 2, optimizer=pe.RowwiseAdagrad(0.1),
-                        placement=placement)],
-          [pe.FeatureSpec("f", "t")], mesh, "x")
+      coll = make(placement, 4)
       state = coll.init(jax.random.key(3))
+      # Trained once: the row-wise state is not its initial value.
+      batch = {"f": np.arange(8, dtype=np.int32)}
+      state, _ = coll.apply_gradients(
+          state, batch, {"f": np.ones((8, 2), np.float32)})
+      want = jax.tree.map(test_util.as_numpy, (
+          coll.table_arrays(state), coll.optimizer_arrays(state)))
       with tempfile.TemporaryDirectory() as directory:
         path = os.path.join(directory, "ckpt")
         checkpoint.save_collection(path, coll, state, step=1)
-        restored, _ = checkpoint.restore_collection(path, coll)
-      jax.tree.map(np.testing.assert_array_equal,
-                   jax.tree.map(test_util.as_numpy, (
-                       coll.table_arrays(restored),
-                       coll.optimizer_arrays(restored))),
-                   jax.tree.map(test_util.as_numpy, (
-                       coll.table_arrays(state), coll.optimizer_arrays(state))))
+        for other in (coll, make(others[placement], 4), make(placement, 2)):
+          restored, _ = checkpoint.restore_collection(path, other)
+          jax.tree.map(np.testing.assert_array_equal,
+                       jax.tree.map(test_util.as_numpy, (
+                           other.table_arrays(restored),
+                           other.optimizer_arrays(restored))), want)
 
   def test_plan_bytes_match_the_shards(self):
     """describe()'s bytes per rank are the state arrays' shards on every
@@ -634,10 +712,13 @@ class TrainerTest(absltest.TestCase):
       return jnp.mean((pred - batch["y"]) ** 2), {}
 
     results = []
-    for placements in (["column"] * 3, ["row", "table", "replicated"]):
+    mixed = ["row", "table", "replicated"]
+    # Column; mixed; mixed on two copies of two ranks (the same 4 shards).
+    for placements, ranks, replicas in ((["column"] * 3, 4, 1),
+                                        (mixed, 4, 1), (mixed, 2, 2)):
       # Fresh: the step donates the state.
       params = {"w": jnp.full((8, 1), 0.1), "v": jnp.full((16, 1), 0.1)}
-      coll = small_collection(placements)
+      coll = small_collection(placements, ranks, replicas)
       trainer = pe.Trainer(coll, loss_fn, optax.sgd(0.1))
       state = trainer.init(coll.init(jax.random.key(0)), params, batches[0])
       step = jax.jit(trainer.step, donate_argnums=0)
@@ -648,9 +729,10 @@ class TrainerTest(absltest.TestCase):
       state, _ = trainer.flush(state)
       results.append((losses, jax.tree.map(
           test_util.as_numpy, coll.table_arrays(state.embedding))))
-    np.testing.assert_allclose(results[1][0], results[0][0], rtol=1e-5)
-    jax.tree.map(lambda got, want: np.testing.assert_allclose(
-        got, want, rtol=2e-6, atol=2e-6), results[1][1], results[0][1])
+    for got in results[1:]:
+      np.testing.assert_allclose(got[0], results[0][0], rtol=1e-5)
+      jax.tree.map(lambda got, want: np.testing.assert_allclose(
+          got, want, rtol=2e-6, atol=2e-6), got[1], results[0][1])
 
 
 class FlaxTest(absltest.TestCase):
@@ -676,13 +758,15 @@ class FlaxTest(absltest.TestCase):
 
 class DenseGradTest(parameterized.TestCase):
 
-  @parameterized.parameters(("replicated", False), ("row", True))
-  def test_jax_grad_of_lookup(self, c_placement, on_owner):
+  @parameterized.parameters(("replicated", False, 4, 1), ("row", True, 4, 1),
+                            ("replicated", False, 2, 2))
+  def test_jax_grad_of_lookup(self, c_placement, on_owner, ranks, replicas):
     """Plain jax.grad of a lookup: per logical table, the scatter-add of
-    every training entry's gradient (padding and clamped ids add none);
-    c's bags pooled on the owners when c is row-placed."""
+    every training entry's gradient (padding and clamped ids add none),
+    summed over the replicas; c's bags pooled on the owners when c is
+    row-placed."""
     rng = np.random.default_rng(5)
-    coll = small_collection(["row", "table", c_placement])
+    coll = small_collection(["row", "table", c_placement], ranks, replicas)
     state = coll.init(jax.random.key(0))
     batch = small_batch(rng)
     self.assertEqual([layout.pool_on_owner for layout in coll.layouts(batch)

@@ -193,6 +193,36 @@ class PtxTest(parameterized.TestCase):
       self.assertEmpty(required - seen,
                        f"row accesses missing from {where}")
 
+  @parameterized.parameters(*WIDTHS)
+  def test_gather_of_int8_codes(self, width):
+    """A row or table owner serving an int8 copy gathers its uint8 code
+    rows with the gather kernel (`row._serve`): no spills, and row
+    accesses as wide as the code row's alignment allows (as
+    `test_quantized_gather`'s codes)."""
+    (kernel,) = ptx.capture(
+        lambda c, i: kernels.gather_rows(c, i, backend="pallas"),
+        jax.ShapeDtypeStruct((VOCAB, width), jnp.uint8),
+        jax.ShapeDtypeStruct((TOKENS,), jnp.int32))
+    self.assertEqual(kernel.name, "pallas_emb_gather")
+    report = ptx.compile_kernel(kernel)
+    logging.info("w=%d uint8 %s", width, report.row())
+    where = f"width {width} uint8: {report.row()}"
+    self.assertEqual(report.spill_bytes, 0, f"spills in {where}")
+    refs = REFS["pallas_emb_gather"]
+    seen = set()
+    for access in report.accesses:
+      self.assertIn(access.ref, refs, f"unclassified ref in {where}")
+      seen.add((access.ref, access.op))
+      if refs[access.ref] != "row":
+        continue
+      want = min(expected_bytes(access, report.num_warps), width & -width)
+      for kind in access.widths:
+        self.assertGreaterEqual(access_bytes(kind), want,
+                                f"{access.op} of {access.ref} is {kind}, "
+                                f"expected >= {want} bytes in {where}")
+    self.assertEmpty(REQUIRED["pallas_emb_gather"] - seen,
+                     f"row accesses missing from {where}")
+
   @parameterized.product(width=WIDTHS, pooled=(False, True))
   def test_quantized_gather(self, width, pooled):
     """The int8 serving kernels: uint8 code rows in, f32 rows out.

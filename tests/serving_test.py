@@ -30,6 +30,7 @@ from pallas_emb import checkpoint
 from pallas_emb import export
 from pallas_emb import quantize
 from pallas_emb.state import ServingState
+from pallas_emb.testing import hlo
 import quantize_test
 
 F32 = np.float32
@@ -38,11 +39,18 @@ BATCH = 16
 CASTS = {"bfloat16": test_util.BF16, "float16": np.float16}
 
 
-def tables():
+# Per table (items, genre, tags): every placement, mixed.
+MIXED = ("row", "table", "replicated")
+
+
+def tables(placements=("column",) * 3):
   opt = pe.Sgd(0.1)
-  return [pe.TableSpec("items", 40, 16, optimizer=opt, padding_id=0),
-          pe.TableSpec("genre", 12, 8, optimizer=opt),
-          pe.TableSpec("tags", 10, 8, optimizer=opt, dtype=jnp.bfloat16)]
+  items, genre, tags = placements
+  return [pe.TableSpec("items", 40, 16, optimizer=opt, padding_id=0,
+                       placement=items),
+          pe.TableSpec("genre", 12, 8, optimizer=opt, placement=genre),
+          pe.TableSpec("tags", 10, 8, optimizer=opt, dtype=jnp.bfloat16,
+                       placement=tags)]
 
 
 def features():
@@ -55,8 +63,8 @@ def features():
           pe.FeatureSpec("tags", table="tags", combiner="mean")]
 
 
-def make_collection(ranks, backend):
-  return pe.EmbeddingCollection(tables(), features(),
+def make_collection(ranks, backend, placements=("column",) * 3):
+  return pe.EmbeddingCollection(tables(placements), features(),
                                 test_util.mesh({"x": ranks}), "x",
                                 backend=backend)
 
@@ -167,6 +175,67 @@ class ServingTest(parameterized.TestCase):
     for name in want:
       test_util.assert_bits_equal(self, got[name], want[name], name)
 
+  @parameterized.named_parameters(
+      (f"_{dtype}_{backend}_{ranks}ranks_{'_'.join(p)}", ranks, backend,
+       dtype, p)
+      for ranks in (1, 2, 8)
+      for backend, dtype, p in (
+          ("xla", "int8", MIXED), ("xla", "bfloat16", MIXED),
+          ("xla", "float16", MIXED), ("xla", "int8", ("table", "column",
+                                                      "row")),
+          ("interpret", "int8", MIXED))
+      if backend == "xla" or ranks > 1)
+  def test_every_placement_matches_numpy_model(self, ranks, backend, dtype,
+                                               placements):
+    """Row, table and replicated stacks (mixed with column) serve the
+    numpy model's dequantized / cast rows, bit for bit; each serving array
+    lies where its stack's table does (scale and bias with its rows)."""
+    coll = make_collection(ranks, backend, placements)
+    state = self.state(coll)
+    serving = coll.quantize(state, dtype)
+    for stack in coll.plan.stacks:
+      table = state.stacks[stack.name].table
+      served = serving.stacks[stack.name]
+      codes = served.codes if dtype == "int8" else served
+      self.assertTrue(codes.sharding.is_equivalent_to(table.sharding, 2))
+      if dtype == "int8":
+        rows = quantize.rows_spec(coll.stack_sharding(stack).spec)
+        for x in (served.scale, served.bias):
+          self.assertEqual(x.sharding.spec, rows, stack.placement)
+    batch = make_batch()
+    got = coll.lookup(serving, batch)
+    want = np_lookup(host_tables(), batch, dtype)
+    for name in want:
+      test_util.assert_bits_equal(self, got[name], want[name], name)
+
+  def test_every_placement_over_a_replica_axis(self):
+    """Serving copies of a mixed collection kept whole on two replicas of
+    four ranks serve the numpy model too."""
+    coll = pe.EmbeddingCollection(tables(MIXED), features(),
+                                  test_util.mesh({"r": 2, "x": 4}), "x",
+                                  replica_axis="r", backend="xla")
+    serving = coll.quantize(self.state(coll), "int8")
+    batch = make_batch()
+    got = coll.lookup(serving, batch)
+    want = np_lookup(host_tables(), batch, "int8")
+    for name in want:
+      test_util.assert_bits_equal(self, got[name], want[name], name)
+
+  def test_int8_rows_travel_fused(self):
+    """A row stack's owner sends int8 rows as fused uint8 rows (codes, then
+    scale and bias: D + 8 bytes), not as f32."""
+    spec = pe.TableSpec("t", 40, 16, optimizer=None, placement="row")
+    coll = pe.EmbeddingCollection([spec], [pe.FeatureSpec("f", "t")],
+                                  test_util.mesh({"x": 4}), "x",
+                                  backend="xla")
+    serving = coll.quantize(coll.init(jax.random.key(0)), "int8")
+    batch = {"f": np.arange(12, dtype=np.int32)}  # 3 ids per rank: C = 3
+    text = jax.jit(coll.lookup).lower(serving, batch).compile().as_text()
+    found = hlo.collective_bytes(text, 4)
+    self.assertEqual((found["all-to-all"]["count"],
+                      found["all-to-all"]["operand_bytes"]),
+                     (2, 4 * 3 * 4 + 4 * 3 * (16 + 8)), str(found))
+
   def test_int8_sequence_error_bound(self):
     """|served - f32 lookup| <= scale / 2 + 16 u max(|min|, |max|)."""
     coll = make_collection(8, "xla")
@@ -223,14 +292,24 @@ class ServingTest(parameterized.TestCase):
     with self.assertRaisesRegex(pe.InputError, r"\('uint8', \(20, 16\)\)"):
       coll.lookup(ServingState(short, "int8", coll.plan.fingerprint), batch)
 
-  @parameterized.parameters("int8", "bfloat16")
-  def test_checkpoint_round_trip(self, dtype):
-    coll = make_collection(8, "xla")
+  @parameterized.parameters(("int8", ("column",) * 3),
+                            ("bfloat16", ("column",) * 3), ("int8", MIXED))
+  def test_checkpoint_round_trip(self, dtype, placements):
+    coll = make_collection(8, "xla", placements)
     serving = coll.quantize(self.state(coll), dtype)
     directory = tempfile.mkdtemp(prefix="pallas_emb_serving_")
     checkpoint.save(directory, serving, step=3)
+    coll4 = make_collection(4, "xla", placements)
+    if placements == MIXED:
+      # Row and table stacks place their rows by the rank count (items:
+      # 40 rows, as many over 4 ranks as over 8, in another order).
+      with self.assertRaisesRegex(
+          pe.CheckpointError,
+          r"laid out as \['stack0_ranks8', 'stack1_ranks8'\].* as "
+          r"\['stack0_ranks4', 'stack1_ranks4'\]"):
+        checkpoint.restore_serving(directory, coll4, dtype)
+      coll4 = make_collection(8, "xla", placements)
     # Restored onto another mesh (4 ranks) of the same tables.
-    coll4 = make_collection(4, "xla")
     back = checkpoint.restore_serving(directory, coll4, dtype)
     self.assertEqual((back.dtype, back.fingerprint),
                      (dtype, coll4.plan.fingerprint))
@@ -265,13 +344,20 @@ LOADER = textwrap.dedent("""
 class ServingExportTest(absltest.TestCase):
 
   def test_exported_scores_match_in_a_fresh_process(self):
+    """A serving state of every placement (column, row, table and
+    replicated stacks) exports and serves in a fresh process."""
     opt = pe.Sgd(0.1)
     coll = pe.EmbeddingCollection(
         [pe.TableSpec("users", 30, 16, optimizer=opt),
-         pe.TableSpec("items", 50, 16, optimizer=opt)],
+         pe.TableSpec("items", 50, 16, optimizer=opt, placement="row"),
+         pe.TableSpec("ages", 7, 16, optimizer=opt, placement="table"),
+         pe.TableSpec("cities", 9, 16, optimizer=opt,
+                      placement="replicated")],
         [pe.FeatureSpec("user", table="users"),
          pe.FeatureSpec("item", table="items"),
-         pe.FeatureSpec("history", table="items", combiner="mean")],
+         pe.FeatureSpec("history", table="items", combiner="mean"),
+         pe.FeatureSpec("age", table="ages"),
+         pe.FeatureSpec("city", table="cities")],
         test_util.mesh({"x": 8}), "x", backend="xla")
     train = coll.init(jax.random.key(0))
     state = {"emb": coll.quantize(train, "int8"),
@@ -279,13 +365,16 @@ class ServingExportTest(absltest.TestCase):
 
     def score(state, batch):
       emb = coll.lookup(state["emb"], batch)
-      user = jnp.tanh((emb["user"] + emb["history"]) @ state["w"])
+      user = jnp.tanh((emb["user"] + emb["history"] + emb["age"]
+                       + emb["city"]) @ state["w"])
       return jnp.sum(user * emb["item"], axis=-1)
 
     rng = np.random.default_rng(2)
     batch = {"user": rng.integers(0, 30, 32).astype(np.int32),
              "item": rng.integers(0, 50, 32).astype(np.int32),
-             "history": rng.integers(0, 50, (32, 5)).astype(np.int32)}
+             "history": rng.integers(0, 50, (32, 5)).astype(np.int32),
+             "age": rng.integers(0, 7, 32).astype(np.int32),
+             "city": rng.integers(0, 9, 32).astype(np.int32)}
     want = np.asarray(jax.jit(score)(state, batch))
     directory = tempfile.mkdtemp(prefix="pallas_emb_serving_export_")
     export.save(os.path.join(directory, "fn"), score, state, [(batch,)])
