@@ -105,6 +105,9 @@ class TrainConfig:
   eval_every: int = _field(
       0, "Steps between test evaluations (the test curve); 0: every epoch.")
   metrics_out: str = _field("", "Write metrics JSON here ('': don't).")
+  target_test_rmse: float = _field(
+      0.0, "Exit with an error when the final test RMSE is above this (a "
+      "published result that must reproduce); 0: no target.")
   plot_out: str = _field("", "Draw the train/test curves into this PNG.")
   checkpoint_dir: str = _field(
       "", "Save tables, optimizer state and dense params here at the end; "

@@ -112,14 +112,34 @@ def compare_ml100k(rmse: float, model: str, split_seed: int) -> str:
       f"  {label:<{width}}  {value}" for label, value in rows])
 
 
+class TargetMissed(Exception):
+  """The run's test RMSE is above the config's `target_test_rmse`."""
+
+
 def report(config: TrainConfig, metrics: dict,
            log: Callable[[str], None]) -> None:
-  """Writes the metrics JSON and the curves' plot where the config says."""
+  """Writes the metrics JSON and the curves' plot where the config says,
+  then raises TargetMissed if the config's target was not reached."""
   if config.metrics_out:
     write_metrics(config.metrics_out, metrics)
     log(f"wrote {config.metrics_out}")
   if config.plot_out:
     log(plot_curves(config.plot_out, metrics))
+  check_target(config, metrics, log)
+
+
+def check_target(config: TrainConfig, metrics: dict,
+                 log: Callable[[str], None]) -> None:
+  target = config.target_test_rmse
+  if not target:
+    return
+  rmse = metrics["test_rmse"]
+  if not rmse <= target:  # NaN misses too
+    raise TargetMissed(
+        f"test RMSE {rmse:.4f} is above the config's target_test_rmse "
+        f"{target}; the run did not reproduce it (check the data, the "
+        "config's values and the number of devices).")
+  log(f"test RMSE {rmse:.4f} <= target {target}: reproduced.")
 
 
 def write_metrics(path: str, metrics: dict) -> None:

@@ -122,7 +122,8 @@ def run_training(config: TrainConfig, log: Callable[[str], None] = print
 # --- entry point -------------------------------------------------------------
 
 ERRORS = (datasets.DataError, ConfigError, pe.ShardingError,
-           pe.HyperParameterError, checkpoint.CheckpointError)
+          pe.HyperParameterError, checkpoint.CheckpointError,
+          report.TargetMissed)
 
 
 def _main(argv: list[str], config_class: type[TrainConfig] = TrainConfig,

@@ -21,6 +21,7 @@ from examples import config as config_lib
 from examples import data as data_lib
 from examples import evaluation
 from examples import features as feature_lib
+from examples import report
 from examples import train
 from examples.config import FeaturesConfig
 from pallas_emb import datasets
@@ -258,15 +259,24 @@ class TrainProgramTest(TempDirTest):
   def test_movielens_rmse(self):
     self.train_movielens(MOVIELENS, RMSE_BAR)
 
-  def test_movielens_features_rmse(self):
-    # One split of the feature model (~45 s on 2 cores): the issue's target.
-    metrics, lines = self.train_movielens(FEATURES, FEATURES_RMSE_BAR)
-    self.assertEqual(metrics["model"], "FeatureMF")
-    self.assertEqual(metrics["skipped_updates"], 0)
+  def test_feature_model_target_is_the_programs_own(self):
+    """The feature model's full run is README's first command, which CI
+    runs: the config carries the target and the program fails above it
+    (a second full run here would add ~75 s of CPU and nothing else)."""
+    config = config_lib.load_config(FEATURES)
+    self.assertEqual(config.target_test_rmse, FEATURES_RMSE_BAR)
+    lines = []
+    report.check_target(config, {"test_rmse": 0.8991}, lines.append)
+    self.assertEqual(lines, ["test RMSE 0.8991 <= target 0.9: reproduced."])
+    for missed in (0.9001, float("nan")):
+      with self.assertRaisesRegex(report.TargetMissed,
+                                  "above the config's target_test_rmse 0.9"):
+        report.check_target(config, {"test_rmse": missed}, lines.append)
+    self.assertIn(report.TargetMissed, train.ERRORS)  # exit 1, one line
     # The run ends with its RMSE beside the published ones.
-    table = lines[-1].splitlines()
+    table = report.compare_ml100k(0.89644, "FeatureMF", 0).splitlines()
     self.assertEqual(table[0], "MovieLens-100k test RMSE (lower is better):")
-    self.assertEqual(table[1].split()[-1], f"{metrics['test_rmse']:.4f}")
+    self.assertEqual(table[1].split()[-1], "0.8964")
     self.assertEqual([row.split()[-1] for row in table[2:]],
                      ["0.934", "0.92", "0.0030", "0.0022"])
     self.assertIn("Surprise SVD++, 5-fold", table[3])
@@ -298,7 +308,7 @@ class FeatureModelTest(TempDirTest):
     self.data = write_toy_movielens(self.new_dir("ml-100k"))
     self.config = dataclasses.replace(
         config_lib.load_config(FEATURES), data_path=self.data, batch_size=256,
-        epochs=2, eval_batch_size=200, log_every=2)
+        epochs=2, eval_batch_size=200, log_every=2, target_test_rmse=0.0)
 
   def test_end_to_end_through_the_cli(self):
     metrics_path = os.path.join(self.tmp, "metrics.json")
@@ -306,7 +316,7 @@ class FeatureModelTest(TempDirTest):
     result = run_cli(f"--config={FEATURES}", f"--data_path={self.data}",
                      "--batch_size=256", "--epochs=3", "--log_every=2",
                      "--eval_batch_size=200", f"--metrics_out={metrics_path}",
-                     f"--plot_out={plot_path}")
+                     f"--plot_out={plot_path}", "--target_test_rmse=0")
     self.assertEqual(result.returncode, 0, result.stderr[-3000:])
     out = result.stdout
     self.assertIn("8 cpu device(s)", out)
