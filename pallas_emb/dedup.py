@@ -119,7 +119,8 @@ def empty_slot_map(rows: int) -> jax.Array:
 
 
 def unique_by_slot_map(keys: jax.Array, num_unique: int, slot_map: jax.Array,
-                       *, regions: Sequence[tuple[int, int]] | None = None):
+                       *, regions: Sequence[tuple[int, int]] | None = None,
+                       sort_unique: bool = False):
   """`unique_and_segments` without a sort, through a persistent slot map.
 
   Each key's first position is the min over its positions (a scatter-min
@@ -131,8 +132,8 @@ def unique_by_slot_map(keys: jax.Array, num_unique: int, slot_map: jax.Array,
   in place: O(N) work, no `[rows]` pass.
 
   Differences from `unique_and_segments` (the same slots up to their order):
-  the unique rows of a region are in FIRST-OCCURRENCE order, not sorted;
-  a full region keeps its first distinct keys, not its smallest (the same
+  the unique rows of a region are in FIRST-OCCURRENCE order, not sorted
+  (unless `sort_unique`); a full region keeps its first distinct keys, not its smallest (the same
   counts: `num_overflow` does not change); a key outside `[0, rows)` takes
   no slot, like FILL_VALUE (the sort gives one to any key but FILL_VALUE).
 
@@ -141,6 +142,9 @@ def unique_by_slot_map(keys: jax.Array, num_unique: int, slot_map: jax.Array,
       takes no slot.
     num_unique, regions: as `unique_and_segments`.
     slot_map: int32 `[rows]`, every entry MAP_SENTINEL (`empty_slot_map`).
+    sort_unique: then sort each region's unique rows (a sort of the
+      `num_unique` slots, not of the N keys) and renumber the segments:
+      the results equal `unique_and_segments`' wherever no region is full.
 
   Returns:
     `(unique_tokens, segment_ids, num_distinct, num_overflow, slot_map)`:
@@ -171,9 +175,30 @@ def unique_by_slot_map(keys: jax.Array, num_unique: int, slot_map: jax.Array,
   unique_tokens = jnp.full((num_unique,), FILL_VALUE, jnp.int32).at[
       jnp.where(slot >= 0, slot, num_unique)].set(keys, mode="drop")
   segment_ids = jnp.where(real, jnp.take(slot, first, mode="clip"), -1)
+  if sort_unique:
+    unique_tokens, segment_ids = _sort_slots(unique_tokens, segment_ids,
+                                             regions)
   # The reset writes what it read (made MAP_SENTINEL): depending on the
   # gather orders the gather first, so XLA updates the map in place.
   slot_map = slot_map.at[index].set(
       jnp.maximum(first, MAP_SENTINEL), mode="drop")
   return (unique_tokens, segment_ids, jnp.sum(is_first, dtype=jnp.int32),
           num_overflow, slot_map)
+
+
+def _sort_slots(unique_tokens: jax.Array, segment_ids: jax.Array, regions):
+  """Each region's unique rows sorted (FILL_VALUE last in its region), the
+  segments renumbered to follow their rows."""
+  u = unique_tokens.shape[0]
+  slots = lax.iota(jnp.int32, u)
+  if len(regions) == 1:
+    unique_tokens, order = lax.sort((unique_tokens, slots), num_keys=1)
+  else:
+    region = jnp.asarray(np.repeat(np.arange(len(regions), dtype=np.int32),
+                                   [s for _, s in regions]))
+    _, unique_tokens, order = lax.sort((region, unique_tokens, slots),
+                                       num_keys=2)
+  renumber = jnp.zeros((u,), jnp.int32).at[order].set(slots,
+                                                      unique_indices=True)
+  return unique_tokens, jnp.where(
+      segment_ids >= 0, jnp.take(renumber, segment_ids, mode="clip"), -1)

@@ -153,6 +153,19 @@ def first_occurrence_model(keys, rows, regions):
   return unique, np.asarray(segs, np.int32), distinct, overflow
 
 
+def sorted_model(keys, rows, regions):
+  """`first_occurrence_model`, each region's rows sorted (FILL last)."""
+  unique, segs, distinct, overflow = first_occurrence_model(keys, rows,
+                                                            regions)
+  base, order = 0, []
+  for _, slots in regions:
+    order += list(base + np.argsort(unique[base:base + slots], kind="stable"))
+    base += slots
+  renumber = np.argsort(order)
+  return (unique[order], np.where(segs >= 0, renumber[segs], -1), distinct,
+          overflow)
+
+
 ROWS = 97
 # ((first_row, slots), ...): one region, three with room for all their
 # rows, the middle one full.
@@ -162,23 +175,26 @@ REGIONS = {"one": ((0, ROWS),), "three": ((0, 40), (40, 20), (60, 37)),
 
 class SlotMapTest(parameterized.TestCase):
 
-  def run_map(self, keys, regions, rows=ROWS):
+  def run_map(self, keys, regions, rows=ROWS, sort_unique=False):
     num_unique = sum(s for _, s in regions)
     run = jax.jit(functools.partial(unique_by_slot_map,
-                                    num_unique=num_unique, regions=regions))
+                                    num_unique=num_unique, regions=regions,
+                                    sort_unique=sort_unique))
     *out, slot_map = run(jnp.asarray(keys, jnp.int32),
                          slot_map=empty_slot_map(rows))
     np.testing.assert_array_equal(slot_map, MAP_SENTINEL)  # reset
     return out
 
-  @parameterized.product(regions=list(REGIONS), seed=[0, 1, 2])
-  def test_matches_first_occurrence_model(self, regions, seed):
+  @parameterized.product(regions=list(REGIONS), seed=[0, 1, 2],
+                         sort_unique=[False, True])
+  def test_matches_first_occurrence_model(self, regions, seed, sort_unique):
     rng = np.random.default_rng(seed)
     keys = rng.integers(0, ROWS, 200).astype(np.int32)
     keys[rng.random(200) < 0.2] = pe.FILL_VALUE
     keys[rng.integers(0, 200, 3)] = [-5, ROWS, ROWS + 7]  # outside the map
-    got = self.run_map(keys, REGIONS[regions])
-    want = first_occurrence_model(keys, ROWS, REGIONS[regions])
+    got = self.run_map(keys, REGIONS[regions], sort_unique=sort_unique)
+    want = (sorted_model if sort_unique else first_occurrence_model)(
+        keys, ROWS, REGIONS[regions])
     self.assertEqual(want[3] > 0, regions == "overflow")
     for g, w in zip(got, want):
       np.testing.assert_array_equal(g, w)
@@ -204,6 +220,9 @@ class SlotMapTest(parameterized.TestCase):
       np.testing.assert_array_equal(
           np.where(segs >= 0, np.asarray(unique)[segs], pe.FILL_VALUE), keys)
     self.assertEqual([int(x) for x in got[2:]], [int(want[2]), 0])
+    # Sorting the unique slots afterwards gives the sort's results exactly.
+    for g, w in zip(self.run_map(keys, regions, sort_unique=True), want):
+      np.testing.assert_array_equal(g, w)
 
   @parameterized.named_parameters(
       ("all_equal", [7] * 16, 1, 0), ("all_fill", [pe.FILL_VALUE] * 5, 0, 0),
