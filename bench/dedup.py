@@ -3,9 +3,10 @@
     taskset -c 0 python -m bench.dedup                 # 1M rows, 16k/64k/320k
     taskset -c 0 python -m bench.dedup --tokens=16384 --repeats=5
 
-`taskset -c 0` pins the process (XLA:CPU's threads too) to one core, as the
-issue's prototype and the FBGEMM comparison measure; without it XLA uses
-every core and the numbers are not comparable.
+`taskset -c 0` pins the process (XLA:CPU's threads too) to one core, and
+XLA_FLAGS gets `--xla_cpu_multi_thread_eigen=false` (`--single_thread`):
+one thread on one core, as `bench.fbgemm_compare` measures. The cores the
+process may run on are printed and recorded.
 
 Per batch size (`--tokens` Zipf(`--zipf`) ids over `--rows` rows, the
 unique buffer as large as the batch, so nothing overflows), in one process:
@@ -31,6 +32,7 @@ from __future__ import annotations
 import functools
 import importlib
 import json
+import os
 import statistics
 import time
 
@@ -47,6 +49,9 @@ _BATCHES = flags.DEFINE_integer("num_batches", 4,
                                 "Distinct batches, cycled over the rounds.")
 _WIDTH = flags.DEFINE_integer("update_width", 64,
                               "Width of the locality check's table (0: off).")
+_SINGLE = flags.DEFINE_bool("single_thread", True,
+                            "XLA:CPU ops on one thread (set before JAX "
+                            "starts).")
 _JSON_OUT = flags.DEFINE_string("json_out", None, "Write the results here.")
 
 METHODS = ("sort", "map", "map_sorted")
@@ -67,6 +72,11 @@ def _rounds(fns, args_of, repeats, warmup, num_batches):
 
 def main(argv):
   del argv
+  if _SINGLE.value:
+    os.environ["XLA_FLAGS"] = " ".join(
+        os.environ.get("XLA_FLAGS", "").split()
+        + ["--xla_cpu_multi_thread_eigen=false"])
+  cores = sorted(os.sched_getaffinity(0))
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
@@ -80,8 +90,8 @@ def main(argv):
   records = []
   slot_map = [dedup.empty_slot_map(rows)]  # donated: replaced by each call
   print(f"rows={rows}  zipf={_ZIPF.value}  slot map {4 * rows / 2**20:.1f} "
-        f"MiB  cpus={jax.devices()[0].platform}  medians of "
-        f"{_REPEATS.value}")
+        f"MiB  {jax.devices()[0].platform} cores {cores}  XLA_FLAGS="
+        f"{os.environ.get('XLA_FLAGS', '')!r}  medians of {_REPEATS.value}")
   print(f"{'tokens':>8} {'distinct':>9} " + " ".join(
       f"{m + ' ms':>14}" for m in METHODS) + "   speed-up map / map_sorted")
   for tokens in map(int, _TOKENS.value):
@@ -126,7 +136,8 @@ def main(argv):
           f"{medians['sort'] / medians['map_sorted']:.2f}x")
     record = {"tokens": tokens, "rows": rows, "distinct": distinct,
               "median_s": medians, "temp_bytes": temp,
-              "slot_map_bytes": 4 * rows}
+              "slot_map_bytes": 4 * rows, "cores": cores,
+              "xla_flags": os.environ.get("XLA_FLAGS", "")}
     if _WIDTH.value:
       record["update_median_s"] = _locality(
           jax, jnp, rows, _WIDTH.value, outs["sort"][0],
