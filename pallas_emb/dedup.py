@@ -8,9 +8,10 @@ its `max_unique` never takes another table's slots.
 
 `unique_by_slot_map` has the same contract without a sort: it marks each
 key's first position in a persistent int32 `[rows]` map (a scatter-min),
-so its unique rows come in first-occurrence order. XLA:CPU runs it several
-times faster than the sort (docs/cpu_performance.md, "Dedup without a
-sort"); on accelerators the sort stays.
+so its unique rows come in first-occurrence order (or sorted afterwards,
+a sort of the unique slots only). Measured on XLA:CPU only
+(docs/cpu_performance.md, "Dedup without a sort"); nothing calls it yet:
+that section says what wiring it into a collection's state needs.
 """
 
 from __future__ import annotations
