@@ -9,13 +9,15 @@ one thread on one core, as `bench.fbgemm_compare` measures. The cores the
 process may run on are printed and recorded.
 
 Per batch size (`--tokens` Zipf(`--zipf`) ids over `--rows` rows, the
-unique buffer as large as the batch, so nothing overflows), in one process:
+unique buffer as large as the batch or `--unique_fit` times the batches'
+distinct rows, so nothing overflows), in one process:
 
   sort        `dedup.unique_and_segments(on_cpu=True)` (today's CPU path)
   map         `dedup.unique_by_slot_map`, the map donated (first-occurrence
               order)
   map_sorted  the same with `sort_unique=True` (sorted unique rows: the
-              sort's results exactly)
+              sort's results exactly; it sorts the unique buffer, so it
+              pays only where that buffer is much smaller than the batch)
 
 Each is jitted and checked against the others once (the same unique rows,
 each key mapped to its row); then `--repeats` rounds, the three interleaved
@@ -52,6 +54,9 @@ _WIDTH = flags.DEFINE_integer("update_width", 64,
 _SINGLE = flags.DEFINE_bool("single_thread", True,
                             "XLA:CPU ops on one thread (set before JAX "
                             "starts).")
+_FIT = flags.DEFINE_float(
+    "unique_fit", 0.0, "0: a unique buffer as large as the batch; else "
+    "this times the most distinct rows of the batches (as fit_max_unique).")
 _JSON_OUT = flags.DEFINE_string("json_out", None, "Write the results here.")
 
 METHODS = ("sort", "map", "map_sorted")
@@ -92,15 +97,19 @@ def main(argv):
   print(f"rows={rows}  zipf={_ZIPF.value}  slot map {4 * rows / 2**20:.1f} "
         f"MiB  {jax.devices()[0].platform} cores {cores}  XLA_FLAGS="
         f"{os.environ.get('XLA_FLAGS', '')!r}  medians of {_REPEATS.value}")
-  print(f"{'tokens':>8} {'distinct':>9} " + " ".join(
+  print(f"{'tokens':>8} {'distinct':>9} {'buffer':>8} " + " ".join(
       f"{m + ' ms':>14}" for m in METHODS) + "   speed-up map / map_sorted")
   for tokens in map(int, _TOKENS.value):
     batches = [jnp.asarray(zipf_ids(rng, rows, tokens, _ZIPF.value) - 1)
                for _ in range(_BATCHES.value)]
+    num_unique = tokens
+    if _FIT.value:
+      num_unique = min(tokens, int(np.ceil(_FIT.value * max(
+          np.unique(np.asarray(b)).size for b in batches))))
     sort = jax.jit(functools.partial(dedup.unique_and_segments,
-                                     num_unique=tokens, on_cpu=True))
+                                     num_unique=num_unique, on_cpu=True))
     jitted = {m: jax.jit(functools.partial(
-        dedup.unique_by_slot_map, num_unique=tokens,
+        dedup.unique_by_slot_map, num_unique=num_unique,
         sort_unique=m == "map_sorted"), donate_argnames="slot_map")
               for m in METHODS[1:]}
 
@@ -130,11 +139,12 @@ def main(argv):
     medians = _rounds(fns, lambda m, b: (batches[b],), _REPEATS.value,
                       _WARMUP.value, _BATCHES.value)
     distinct = int(outs["sort"][2])
-    print(f"{tokens:>8} {distinct:>9} " + " ".join(
+    print(f"{tokens:>8} {distinct:>9} {num_unique:>8} " + " ".join(
         f"{1e3 * medians[m]:>14.2f}" for m in METHODS) +
           f"   {medians['sort'] / medians['map']:.2f}x / "
           f"{medians['sort'] / medians['map_sorted']:.2f}x")
     record = {"tokens": tokens, "rows": rows, "distinct": distinct,
+              "num_unique": num_unique,
               "median_s": medians, "temp_bytes": temp,
               "slot_map_bytes": 4 * rows, "cores": cores,
               "xla_flags": os.environ.get("XLA_FLAGS", "")}

@@ -189,17 +189,17 @@ def unique_by_slot_map(keys: jax.Array, num_unique: int, slot_map: jax.Array,
 
 def _sort_slots(unique_tokens: jax.Array, segment_ids: jax.Array, regions):
   """Each region's unique rows sorted (FILL_VALUE last in its region), the
-  segments renumbered to follow their rows."""
-  u = unique_tokens.shape[0]
-  slots = lax.iota(jnp.int32, u)
-  if len(regions) == 1:
-    unique_tokens, order = lax.sort((unique_tokens, slots), num_keys=1)
-  else:
-    region = jnp.asarray(np.repeat(np.arange(len(regions), dtype=np.int32),
-                                   [s for _, s in regions]))
-    _, unique_tokens, order = lax.sort((region, unique_tokens, slots),
-                                       num_keys=2)
-  renumber = jnp.zeros((u,), jnp.int32).at[order].set(slots,
-                                                      unique_indices=True)
-  return unique_tokens, jnp.where(
+  segments renumbered to follow their rows. Sorted alone and found by
+  binary search: XLA:CPU sorts a lone int32 array several times faster
+  than one with a payload."""
+  parts, renumber, base = [], [], 0
+  for _, slots in regions:
+    part = unique_tokens[base:base + slots]
+    ordered = jnp.sort(part)
+    parts.append(ordered)
+    # A real row is distinct in its region; FILL slots take no segment.
+    renumber.append(base + jnp.searchsorted(ordered, part).astype(jnp.int32))
+    base += slots
+  renumber = jnp.concatenate(renumber)
+  return jnp.concatenate(parts), jnp.where(
       segment_ids >= 0, jnp.take(renumber, segment_ids, mode="clip"), -1)
