@@ -85,10 +85,9 @@ def main(argv):
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
-
+  from pallas_emb import datasets  # pylint: disable=g-import-not-at-top
   # `pallas_emb.dedup` names the public function; this is the module.
   dedup = importlib.import_module("pallas_emb.dedup")
-  from pallas_emb.datasets import zipf_ids  # pylint: disable=g-import-not-at-top
 
   rows = _ROWS.value
   rng = np.random.default_rng(0)
@@ -100,7 +99,8 @@ def main(argv):
   print(f"{'tokens':>8} {'distinct':>9} {'buffer':>8} " + " ".join(
       f"{m + ' ms':>14}" for m in METHODS) + "   speed-up map / map_sorted")
   for tokens in map(int, _TOKENS.value):
-    batches = [jnp.asarray(zipf_ids(rng, rows, tokens, _ZIPF.value) - 1)
+    batches = [jnp.asarray(
+        datasets.zipf_ids(rng, rows, tokens, _ZIPF.value) - 1)
                for _ in range(_BATCHES.value)]
     num_unique = tokens
     if _FIT.value:

@@ -132,11 +132,13 @@ def unique_by_slot_map(keys: jax.Array, num_unique: int, slot_map: jax.Array,
   and deterministic. Under `jit` with `slot_map` donated the map is updated
   in place: O(N) work, no `[rows]` pass.
 
-  Differences from `unique_and_segments` (the same slots up to their order):
-  the unique rows of a region are in FIRST-OCCURRENCE order, not sorted
-  (unless `sort_unique`); a full region keeps its first distinct keys, not its smallest (the same
-  counts: `num_overflow` does not change); a key outside `[0, rows)` takes
-  no slot, like FILL_VALUE (the sort gives one to any key but FILL_VALUE).
+  Differences from `unique_and_segments` (the same slots up to their
+  order): the unique rows of a region are in FIRST-OCCURRENCE order, not
+  sorted (unless `sort_unique`); a full region keeps its first distinct
+  keys, not its smallest (the same counts: `num_overflow` does not change);
+  a key outside `[0, rows)` takes no slot, like FILL_VALUE (the sort gives
+  one to any key but FILL_VALUE). Which consumer needs sorted rows:
+  docs/cpu_performance.md, "Dedup without a sort".
 
   Args:
     keys: int32 `[N]` rows in `[0, rows)`; FILL_VALUE (or any key outside)
