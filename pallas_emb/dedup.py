@@ -5,6 +5,13 @@ stacked row an entry trains, or FILL_VALUE for none) into the sorted unique
 rows, padded with FILL_VALUE, and each entry's slot among them. The buffer
 is split into regions, one per table of the stack, so that a table capped by
 its `max_unique` never takes another table's slots.
+
+`unique_by_slot_map` has the same contract without a sort: it marks each
+key's first position in a persistent int32 `[rows]` map (a scatter-min),
+so its unique rows come in first-occurrence order (or sorted afterwards,
+a sort of the unique slots only). Measured on XLA:CPU only
+(docs/cpu_performance.md, "Dedup without a sort"); nothing calls it yet:
+that section says what wiring it into a collection's state needs.
 """
 
 from __future__ import annotations
@@ -18,6 +25,26 @@ from jax import lax
 
 # Pads unique rows; >= any row count, so the update skips it.
 FILL_VALUE = np.iinfo(np.int32).max
+# Every entry of a slot map between steps: above any key's position.
+MAP_SENTINEL = np.iinfo(np.int32).max
+
+
+def _check_regions(regions, num_unique: int, name: str):
+  regions = tuple(regions) if regions else ((0, num_unique),)
+  if sum(slots for _, slots in regions) != num_unique:
+    raise ValueError(f"pallas_emb {name}: regions {regions} do not hold "
+                     f"num_unique={num_unique} slots.")
+  return regions
+
+
+def _region_bounds(keys: jax.Array, real: jax.Array, regions, r: int):
+  """Whether each key is a real key of region r (regions in row order)."""
+  inside = real
+  if r:
+    inside &= keys >= regions[r][0]
+  if r + 1 < len(regions):
+    inside &= keys < regions[r + 1][0]
+  return inside
 
 
 def unique_and_segments(keys: jax.Array, num_unique: int, *,
@@ -45,10 +72,7 @@ def unique_and_segments(keys: jax.Array, num_unique: int, *,
     all regions).
   """
   n = keys.shape[0]
-  regions = tuple(regions) if regions else ((0, num_unique),)
-  if sum(slots for _, slots in regions) != num_unique:
-    raise ValueError(f"pallas_emb unique_and_segments: regions {regions} do "
-                     f"not hold num_unique={num_unique} slots.")
+  regions = _check_regions(regions, num_unique, "unique_and_segments")
   if on_cpu:
     ordered = jnp.sort(keys)
   else:
@@ -62,11 +86,7 @@ def unique_and_segments(keys: jax.Array, num_unique: int, *,
   num_overflow = jnp.int32(0)
   base = 0
   for r, (first_row, slots) in enumerate(regions):
-    inside = real
-    if r:
-      inside &= ordered >= first_row
-    if r + 1 < len(regions):
-      inside &= ordered < regions[r + 1][0]
+    inside = _region_bounds(ordered, real, regions, r)
     distinct = (num_distinct if len(regions) == 1 else
                 jnp.sum(is_first & inside, dtype=jnp.int32))
     in_region = rank
@@ -91,3 +111,97 @@ def unique_and_segments(keys: jax.Array, num_unique: int, *,
         slot, unique_indices=True)
   return unique_tokens, segment_ids, num_distinct, num_overflow
 
+
+
+def empty_slot_map(rows: int) -> jax.Array:
+  """The slot map of `unique_by_slot_map` for keys in `[0, rows)`: int32
+  `[rows]`, every entry at MAP_SENTINEL (4 bytes a row)."""
+  return jnp.full((rows,), MAP_SENTINEL, jnp.int32)
+
+
+def unique_by_slot_map(keys: jax.Array, num_unique: int, slot_map: jax.Array,
+                       *, regions: Sequence[tuple[int, int]] | None = None,
+                       sort_unique: bool = False):
+  """`unique_and_segments` without a sort, through a persistent slot map.
+
+  Each key's first position is the min over its positions (a scatter-min
+  into `slot_map`, then a gather); a cumsum over the "I am the first" flags
+  numbers the distinct keys; every key gathers its first position's slot;
+  a scatter puts the touched entries back to MAP_SENTINEL. A min over int32
+  positions does not depend on the scatter's order, so the result is exact
+  and deterministic. Under `jit` with `slot_map` donated the map is updated
+  in place: O(N) work, no `[rows]` pass.
+
+  Differences from `unique_and_segments` (the same slots up to their
+  order): the unique rows of a region are in FIRST-OCCURRENCE order, not
+  sorted (unless `sort_unique`); a full region keeps its first distinct
+  keys, not its smallest (the same counts: `num_overflow` does not change);
+  a key outside `[0, rows)` takes no slot, like FILL_VALUE (the sort gives
+  one to any key but FILL_VALUE). Which consumer needs sorted rows:
+  docs/cpu_performance.md, "Dedup without a sort".
+
+  Args:
+    keys: int32 `[N]` rows in `[0, rows)`; FILL_VALUE (or any key outside)
+      takes no slot.
+    num_unique, regions: as `unique_and_segments`.
+    slot_map: int32 `[rows]`, every entry MAP_SENTINEL (`empty_slot_map`).
+    sort_unique: then sort each region's unique rows (a sort of the
+      `num_unique` slots, not of the N keys) and renumber the segments:
+      the results equal `unique_and_segments`' wherever no region is full.
+
+  Returns:
+    `(unique_tokens, segment_ids, num_distinct, num_overflow, slot_map)`:
+    the first four as `unique_and_segments` (order aside), the map with
+    every entry back at MAP_SENTINEL.
+  """
+  n, rows = keys.shape[0], slot_map.shape[0]
+  regions = _check_regions(regions, num_unique, "unique_by_slot_map")
+  if slot_map.dtype != jnp.int32 or slot_map.ndim != 1:
+    raise ValueError(f"pallas_emb unique_by_slot_map: slot_map is "
+                     f"{slot_map.dtype}{list(slot_map.shape)}; expected an "
+                     "int32 [rows] array (empty_slot_map(rows)).")
+  real = (keys >= 0) & (keys < rows)
+  index = jnp.where(real, keys, rows)  # outside the map: dropped
+  position = lax.iota(jnp.int32, n)
+  slot_map = slot_map.at[index].min(position, mode="drop")
+  first = slot_map.at[index].get(mode="fill", fill_value=n)
+  is_first = real & (first == position)
+  slot = jnp.full((n,), -1, jnp.int32)  # at first positions only
+  num_overflow = jnp.int32(0)
+  base = 0
+  for r, (_, slots) in enumerate(regions):
+    firsts = is_first & _region_bounds(keys, real, regions, r)
+    in_region = jnp.cumsum(firsts, dtype=jnp.int32) - 1
+    slot = jnp.where(firsts & (in_region < slots), base + in_region, slot)
+    num_overflow += jnp.sum(firsts & (in_region >= slots), dtype=jnp.int32)
+    base += slots
+  unique_tokens = jnp.full((num_unique,), FILL_VALUE, jnp.int32).at[
+      jnp.where(slot >= 0, slot, num_unique)].set(keys, mode="drop")
+  segment_ids = jnp.where(real, jnp.take(slot, first, mode="clip"), -1)
+  if sort_unique:
+    unique_tokens, segment_ids = _sort_slots(unique_tokens, segment_ids,
+                                             regions)
+  # The reset writes what it read (made MAP_SENTINEL): depending on the
+  # gather orders the gather first, so XLA updates the map in place.
+  slot_map = slot_map.at[index].set(
+      jnp.maximum(first, MAP_SENTINEL), mode="drop")
+  return (unique_tokens, segment_ids, jnp.sum(is_first, dtype=jnp.int32),
+          num_overflow, slot_map)
+
+
+def _sort_slots(unique_tokens: jax.Array, segment_ids: jax.Array, regions):
+  """Each region's unique rows sorted (FILL_VALUE last in its region), the
+  segments renumbered to follow their rows. Sorted alone and found by
+  binary search: XLA:CPU sorts a lone int32 array several times faster
+  than one with a payload."""
+  parts, renumber, base = [], [], 0
+  for _, slots in regions:
+    part = unique_tokens[base:base + slots]
+    ordered = jnp.sort(part)
+    parts.append(ordered)
+    # A real row is distinct in its region; FILL slots take no segment.
+    renumber.append(base + jnp.searchsorted(ordered, part).astype(jnp.int32))
+    base += slots
+  renumber = jnp.concatenate(renumber)
+  return jnp.concatenate(parts), jnp.where(
+      segment_ids >= 0, jnp.take(renumber, segment_ids, mode="clip"), -1)

@@ -198,5 +198,25 @@ class PlacementsBenchCliTest(absltest.TestCase):
                        64 * ranks)
 
 
+class DedupBenchCliTest(absltest.TestCase):
+
+  def test_records_every_method_per_batch_size(self):
+    # The program itself checks the three dedups against each other.
+    with tempfile.TemporaryDirectory() as tmp:
+      doc, stdout = test_util.run_program(
+          "bench.dedup", ["--rows=1000", "--tokens=64,300", "--repeats=1",
+                          "--warmup=1", "--num_batches=2",
+                          "--update_width=4"], tmp)
+    self.assertIn("speed-up", stdout)
+    self.assertEqual([r["tokens"] for r in doc], [64, 300])
+    for r in doc:
+      self.assertCountEqual(r["median_s"], ["sort", "map", "map_sorted"])
+      self.assertTrue(all(t > 0 for t in r["median_s"].values()))
+      self.assertCountEqual(r["update_median_s"],
+                            ["sorted", "first_occurrence"])
+      self.assertEqual(r["slot_map_bytes"], 4000)
+      self.assertBetween(r["distinct"], 1, r["tokens"])
+
+
 if __name__ == "__main__":
   absltest.main()

@@ -13,7 +13,11 @@ import numpy as np
 
 import numpy_model
 import pallas_emb as pe
+from pallas_emb.dedup import empty_slot_map
+from pallas_emb.dedup import MAP_SENTINEL
 from pallas_emb.dedup import unique_and_segments
+from pallas_emb.dedup import unique_by_slot_map
+from pallas_emb.testing import hlo
 
 VOCAB = 29
 
@@ -122,6 +126,147 @@ class DedupTest(chex.TestCase):
   def test_default_num_unique_never_overflows(self):
     self.assertEqual(pe.default_num_unique(16, 1000), 17)
     self.assertEqual(pe.default_num_unique(16, 5), 6)
+
+
+def first_occurrence_model(keys, rows, regions):
+  """numpy: per region, its distinct keys in first-occurrence order, the
+  first `slots` kept; each key's slot (-1: FILL/outside, or not kept)."""
+  starts = [r for r, _ in regions] + [np.inf]
+  unique = np.full(sum(s for _, s in regions), pe.FILL_VALUE, np.int32)
+  slot_of, used, segs = {}, [0] * len(regions), []
+  distinct = overflow = 0
+  for k in keys.tolist():
+    if not 0 <= k < rows:
+      segs.append(-1)
+      continue
+    if k not in slot_of:
+      distinct += 1
+      r = max(i for i in range(len(regions)) if k >= starts[i])
+      if used[r] < regions[r][1]:
+        slot_of[k] = sum(s for _, s in regions[:r]) + used[r]
+        unique[slot_of[k]] = k
+        used[r] += 1
+      else:
+        slot_of[k] = -1
+        overflow += 1
+    segs.append(slot_of[k])
+  return unique, np.asarray(segs, np.int32), distinct, overflow
+
+
+def sorted_model(keys, rows, regions):
+  """`first_occurrence_model`, each region's rows sorted (FILL last)."""
+  unique, segs, distinct, overflow = first_occurrence_model(keys, rows,
+                                                            regions)
+  base, order = 0, []
+  for _, slots in regions:
+    order += list(base + np.argsort(unique[base:base + slots], kind="stable"))
+    base += slots
+  renumber = np.argsort(order)
+  return (unique[order], np.where(segs >= 0, renumber[segs], -1), distinct,
+          overflow)
+
+
+ROWS = 97
+# ((first_row, slots), ...): one region, three with room for all their
+# rows, the middle one full.
+REGIONS = {"one": ((0, ROWS),), "three": ((0, 40), (40, 20), (60, 37)),
+           "overflow": ((0, 40), (40, 3), (60, 37))}
+
+
+class SlotMapTest(parameterized.TestCase):
+
+  def run_map(self, keys, regions, rows=ROWS, sort_unique=False):
+    num_unique = sum(s for _, s in regions)
+    run = jax.jit(functools.partial(unique_by_slot_map,
+                                    num_unique=num_unique, regions=regions,
+                                    sort_unique=sort_unique))
+    *out, slot_map = run(jnp.asarray(keys, jnp.int32),
+                         slot_map=empty_slot_map(rows))
+    np.testing.assert_array_equal(slot_map, MAP_SENTINEL)  # reset
+    return out
+
+  @parameterized.product(regions=list(REGIONS), seed=[0, 1, 2],
+                         sort_unique=[False, True])
+  def test_matches_first_occurrence_model(self, regions, seed, sort_unique):
+    rng = np.random.default_rng(seed)
+    keys = rng.integers(0, ROWS, 200).astype(np.int32)
+    keys[rng.random(200) < 0.2] = pe.FILL_VALUE
+    keys[rng.integers(0, 200, 3)] = [-5, ROWS, ROWS + 7]  # outside the map
+    got = self.run_map(keys, REGIONS[regions], sort_unique=sort_unique)
+    want = (sorted_model if sort_unique else first_occurrence_model)(
+        keys, ROWS, REGIONS[regions])
+    self.assertEqual(want[3] > 0, regions == "overflow")
+    for g, w in zip(got, want):
+      np.testing.assert_array_equal(g, w)
+
+  @parameterized.product(regions=["one", "three"], seed=[3, 4])
+  def test_agrees_with_the_sort_up_to_the_slot_order(self, regions, seed):
+    # Room for every row: the sort and the map keep the same rows.
+    regions = REGIONS[regions]
+    rng = np.random.default_rng(seed)
+    keys = np.minimum(rng.zipf(1.2, 300), ROWS) - 1
+    keys = keys.astype(np.int32)
+    keys[rng.random(300) < 0.1] = pe.FILL_VALUE
+    got = self.run_map(keys, regions)
+    want = jax.jit(functools.partial(
+        unique_and_segments, num_unique=sum(s for _, s in regions),
+        regions=regions, on_cpu=True))(keys)
+    base = 0
+    for _, slots in regions:  # the same rows in each region's slots
+      np.testing.assert_array_equal(
+          np.sort(got[0][base:base + slots]), want[0][base:base + slots])
+      base += slots
+    for (unique, segs) in (got[:2], want[:2]):  # each key finds its row
+      np.testing.assert_array_equal(
+          np.where(segs >= 0, np.asarray(unique)[segs], pe.FILL_VALUE), keys)
+    self.assertEqual([int(x) for x in got[2:]], [int(want[2]), 0])
+    # Sorting the unique slots afterwards gives the sort's results exactly.
+    for g, w in zip(self.run_map(keys, regions, sort_unique=True), want):
+      np.testing.assert_array_equal(g, w)
+
+  @parameterized.named_parameters(
+      ("all_equal", [7] * 16, 1, 0), ("all_fill", [pe.FILL_VALUE] * 5, 0, 0),
+      ("empty", [], 0, 0), ("one_slot_overflows", [4, 9, 4, 2, 9], 3, 2))
+  def test_edge_cases(self, keys, distinct, overflow):
+    keys = np.asarray(keys, np.int32)
+    regions = ((0, 1),) if overflow else ((0, 6),)
+    unique, segs, got_distinct, got_overflow = self.run_map(keys, regions)
+    want = first_occurrence_model(keys, ROWS, regions)
+    np.testing.assert_array_equal(unique, want[0])
+    np.testing.assert_array_equal(segs, want[1])
+    self.assertEqual((int(got_distinct), int(got_overflow)),
+                     (distinct, overflow))
+
+  def test_the_map_is_reused_across_steps(self):
+    run = jax.jit(functools.partial(unique_by_slot_map, num_unique=8),
+                  donate_argnames="slot_map")
+    slot_map = empty_slot_map(ROWS)
+    for keys in ([3, 5, 3], [5, 1, 1, 96], [0, 3]):
+      unique, segs, _, _, slot_map = run(jnp.asarray(keys, jnp.int32),
+                                         slot_map=slot_map)
+      want = first_occurrence_model(np.asarray(keys), ROWS, ((0, 8),))
+      np.testing.assert_array_equal(unique, want[0])
+      np.testing.assert_array_equal(segs, want[1])
+    np.testing.assert_array_equal(slot_map, MAP_SENTINEL)
+
+  def test_donated_map_is_updated_in_place(self):
+    # 4099 rows against 64 keys: any [rows] op is a copy or a full pass.
+    rows, keys = 4099, jnp.zeros((64,), jnp.int32)
+
+    def compiled_ops(**donate):
+      run = jax.jit(functools.partial(unique_by_slot_map, num_unique=16,
+                                      regions=((0, 8), (2000, 8))), **donate)
+      text = run.lower(keys, slot_map=empty_slot_map(rows)).compile()
+      return hlo.full_table_ops(text.as_text(), rows)
+
+    self.assertEqual(compiled_ops(donate_argnames="slot_map"), [])
+    # The control: without donation XLA must copy the map.
+    self.assertNotEqual(compiled_ops(), [])
+
+  def test_a_map_that_is_not_int32_rows_raises(self):
+    with self.assertRaisesRegex(ValueError, "expected an int32 \\[rows\\]"):
+      unique_by_slot_map(jnp.zeros((4,), jnp.int32), 4,
+                         jnp.zeros((8,), jnp.float32))
 
 
 if __name__ == "__main__":
