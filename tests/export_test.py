@@ -143,7 +143,7 @@ class ExportTest(absltest.TestCase):
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(
         p for p in (test_util.ROOT, env.get("PYTHONPATH")) if p)
-    env["XLA_FLAGS"] = test_util.XLA_TEST_FLAGS
+    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
     env["JAX_PLATFORMS"] = "cpu"
     proc = subprocess.run([sys.executable, "-c", LOADER, self.dir], env=env,
                           capture_output=True, text=True, timeout=300,

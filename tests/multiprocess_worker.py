@@ -12,10 +12,8 @@ LOCAL_DEVICES = 4
 
 def _setup(num_local):
   os.environ["JAX_PLATFORMS"] = "cpu"
-  # The LLVM level of tests/test_util.py (results are compared bit for bit).
   os.environ["XLA_FLAGS"] = (
-      f"--xla_force_host_platform_device_count={num_local} "
-      "--xla_backend_optimization_level=0")
+      f"--xla_force_host_platform_device_count={num_local}")
   sys.path.insert(0, os.path.dirname(os.path.dirname(
       os.path.abspath(__file__))))
 

@@ -382,7 +382,7 @@ class ServingExportTest(absltest.TestCase):
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(
         p for p in (test_util.ROOT, env.get("PYTHONPATH")) if p)
-    env["XLA_FLAGS"] = test_util.XLA_TEST_FLAGS
+    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
     env["JAX_PLATFORMS"] = "cpu"
     out = os.path.join(directory, "scores.npy")
     proc = subprocess.run(

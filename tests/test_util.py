@@ -12,15 +12,10 @@ import subprocess
 import sys
 import tempfile
 
-# LLVM's -O0 for XLA's generated code: the suite is compile-bound, and the
-# programs' HLO (fusion, in-place buffers: what the HLO tests check) is the
-# same at every level. The last bits of some f32 results are not (e.g. exp),
-# so a test comparing bits across processes passes these flags on.
-LLVM_O0 = "--xla_backend_optimization_level=0"
-XLA_TEST_FLAGS = f"--xla_force_host_platform_device_count=8 {LLVM_O0}"
-if XLA_TEST_FLAGS not in os.environ.get("XLA_FLAGS", ""):
+_FLAG = "--xla_force_host_platform_device_count=8"
+if _FLAG not in os.environ.get("XLA_FLAGS", ""):
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " +
-                             XLA_TEST_FLAGS).strip()
+                             _FLAG).strip()
 
 CACHE_ENV = "JAX_COMPILATION_CACHE_DIR"
 
