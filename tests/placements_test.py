@@ -456,19 +456,8 @@ class OverflowTest(parameterized.TestCase):
     coll = pe.EmbeddingCollection([spec], [pe.FeatureSpec("f", "t")],
                                   test_util.mesh({"x": 2}), "x")
     batch = {"f": np.array([0, 2, 4, 5, 0, 0], np.int32)}  # 2 overflow
-    loss = lambda params, emb, b: (jnp.sum(emb["f"]), ())
-    for check in (True, False):
-      trainer = pe.Trainer(coll, loss, optax.sgd(0.1), pipelined=False,
-                           check_overflow=check)
-      state = trainer.init(coll.init(jax.random.key(0)), {})
-      step = jax.jit(trainer.step)
-      if check:
-        with self.assertRaisesRegex(Exception, "had 2 more distinct ids.*"
-                                    "max_ids_per_partition"):
-          jax.block_until_ready(step(state, batch))
-      else:
-        _, metrics = step(state, batch)
-        self.assertEqual(int(metrics.updates["stack0"].num_overflow), 2)
+    test_util.assert_trainer_checks_overflow(
+        self, coll, batch, "had 2 more distinct ids.*max_ids_per_partition", 2)
 
   def test_overflow_over_replicas(self):
     """Over a replica axis the buckets are per rank as without it: the

@@ -150,3 +150,26 @@ def run_program(module: str, args, directory: str, *, drop_env=(),
                          f"\n{proc.stderr[-5000:]}")
   with open(out) as f:
     return json.load(f), proc.stdout
+
+
+def assert_trainer_checks_overflow(test, coll, batch, message: str,
+                                   num_overflow: int) -> None:
+  """One unpipelined Trainer step over a batch that overflows a cap: by
+  default it raises (`message` matches), and with check_overflow=False its
+  stats count `num_overflow` ids in stack0."""
+  import optax  # pylint: disable=g-import-not-at-top
+  import pallas_emb as pe  # pylint: disable=g-import-not-at-top
+  loss = lambda params, emb, b: (sum(jax.numpy.sum(e) for e in emb.values()),
+                                 ())
+  for check in (True, False):
+    trainer = pe.Trainer(coll, loss, optax.sgd(0.1), pipelined=False,
+                         check_overflow=check)
+    state = trainer.init(coll.init(jax.random.key(0)), {})
+    step = jax.jit(trainer.step)
+    if check:
+      with test.assertRaisesRegex(Exception, message):
+        jax.block_until_ready(step(state, batch))
+    else:
+      _, metrics = step(state, batch)
+      test.assertEqual(int(metrics.updates["stack0"].num_overflow),
+                       num_overflow)
