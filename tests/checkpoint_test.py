@@ -364,7 +364,7 @@ class IntegrityTest(_DirTest):
     np.testing.assert_array_equal(
         ckpt.restore(self.dir, target, step=1)["v"], np.arange(4.0))
     coll = _collection(2, ["items"])
-    ckpt.save_collection(self.dir, coll, coll.init(jax.random.key(0)),
+    ckpt.save_collection(self.dir, coll, test_util.random_state(coll, 0),
                          step=3)
     os.remove(os.path.join(self.dir, "3", "manifest.ocdbt"))
     with self.assertRaisesRegex(ckpt.CheckpointError,
@@ -387,7 +387,7 @@ class IntegrityTest(_DirTest):
 
   def test_unsavable_leaves_rejected_before_writing(self):
     coll = _collection(2, ["items"])
-    state = coll.init(jax.random.key(0))
+    state = test_util.random_state(coll, 0)
     for extra, what in (({"s": "hello"}, "a str"),
                         ({"o": [object()]}, "an object"),
                         ({"a": np.array(["x"])}, "a numpy array of dtype <U1"),
@@ -436,7 +436,7 @@ class CollectionCheckpointTest(_DirTest):
 
   def _trained(self, coll):
     """A state whose tables and optimizer state are not at their init."""
-    state = coll.init(jax.random.key(0))
+    state = test_util.random_state(coll, 0)
     rng = np.random.default_rng(0)
     batch = {f: rng.integers(0, 8, 8).astype(np.int32) for f in coll.features}
     grads = {f: rng.standard_normal((8, 16)).astype(np.float32)
@@ -481,7 +481,7 @@ class CollectionCheckpointTest(_DirTest):
   def test_unknown_saved_table(self):
     saved_coll = _collection(2, ["items", "users"])
     ckpt.save_collection(self.dir, saved_coll,
-                         saved_coll.init(jax.random.key(0)), step=1)
+                         test_util.random_state(saved_coll, 0), step=1)
     with self.assertRaisesRegex(pe.CheckpointError, r"holds tables "
                                 r"\['users'\] that the collection does not "
                                 "have"):

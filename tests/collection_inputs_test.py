@@ -41,7 +41,7 @@ class CollectionInputsTest(absltest.TestCase):
     # 16 distinct users and 16 distinct items.
     coll = two_tables(self.mesh, users_cap=4)
     self.assertLen(coll.plan.stacks, 1)
-    state = coll.init(jax.random.key(0))
+    state = test_util.random_state(coll, 0)
     before = coll.table_arrays(state)
     batch = {"user": np.arange(1, 17, dtype=np.int32),
              "item": np.arange(20, 36, dtype=np.int32)}
@@ -68,7 +68,7 @@ class CollectionInputsTest(absltest.TestCase):
     # The same tables in another order: same shapes, other rows.
     coll = two_tables(self.mesh)
     other = two_tables(self.mesh, order=("items", "users"))
-    state = other.init(jax.random.key(0))
+    state = test_util.random_state(other, 0)
     batch = {"user": np.arange(8, dtype=np.int32),
              "item": np.arange(8, dtype=np.int32)}
     with self.assertRaisesRegex(pe.InputError,
@@ -86,7 +86,7 @@ class CollectionInputsTest(absltest.TestCase):
     batch = {"user": np.arange(8, dtype=np.int32),
              "item": np.arange(8, dtype=np.int32)}
     routing = other.route(batch)
-    state = coll.init(jax.random.key(0))
+    state = test_util.random_state(coll, 0)
     grads = {k: np.ones((8, WIDTH), np.float32) for k in batch}
     with self.assertRaisesRegex(pe.InputError,
                                 "routing was made by another collection"):
@@ -101,7 +101,7 @@ class CollectionInputsTest(absltest.TestCase):
   def test_bag_weights_key_is_read_not_ignored(self):
     # A pad_ragged mask under "<name>_weights" of an unweighted feature.
     coll = self.pooled()
-    state = coll.init(jax.random.key(0))
+    state = test_util.random_state(coll, 0)
     ids, mask = pe.pad_ragged([[3, 4]] * 4 + [[5]] * 4, max_len=3)
     seq = np.arange(8, dtype=np.int32)
     with_key = coll.lookup(state, {"bag": ids, "bag_weights": mask,
@@ -116,7 +116,7 @@ class CollectionInputsTest(absltest.TestCase):
 
   def test_unread_and_ambiguous_weights_are_errors(self):
     coll = self.pooled()
-    state = coll.init(jax.random.key(0))
+    state = test_util.random_state(coll, 0)
     ids = np.ones((8, 3), np.int32)
     seq = np.arange(8, dtype=np.int32)
     with self.assertRaisesRegex(pe.InputError, "'seq' is a sequence feature, "
@@ -134,7 +134,7 @@ class CollectionInputsTest(absltest.TestCase):
 
   def test_lengths_outside_the_bags_are_errors(self):
     coll = self.pooled()
-    state = coll.init(jax.random.key(0))
+    state = test_util.random_state(coll, 0)
     ids = np.ones((8, 3), np.int32)
     seq = np.arange(8, dtype=np.int32)
     for bad in (4, -1):
@@ -147,7 +147,7 @@ class CollectionInputsTest(absltest.TestCase):
 
   def test_an_empty_batch_is_an_error(self):
     coll = self.pooled()
-    state = coll.init(jax.random.key(0))
+    state = test_util.random_state(coll, 0)
     with self.assertRaisesRegex(pe.InputError, r"has shape \(0, 3\): no "
                                 "examples"):
       coll.lookup(state, {"bag": np.ones((0, 3), np.int32),

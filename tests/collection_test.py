@@ -140,7 +140,7 @@ class CollectionModelTest(parameterized.TestCase):
       raise AssertionError(f"random collection {config} failed: {e}") from e
 
   def _check(self, coll, opt_index, shapes, rng):
-    state = coll.init(jax.random.key(0))
+    state = test_util.random_state(coll, 0)
     arrays = {k: test_util.as_numpy(v)
               for k, v in coll.table_arrays(state).items()}
     model = CollectionModel(coll, arrays, opt_index)
@@ -210,7 +210,7 @@ class StackingTest(absltest.TestCase):
     # -1 is the last row of `items`, never a row of `users`; past-the-end
     # ids clamp to their own table's last row.
     coll = pe.EmbeddingCollection(self.tables, self.features, self.mesh, "x")
-    state = coll.init(jax.random.key(1))
+    state = test_util.random_state(coll, 1)
     arrays = coll.table_arrays(state)
     batch = {"item": np.array([-1, 50, 49, -50], np.int32),
              "history": np.array([[0, 1]] * 4, np.int32),
@@ -250,7 +250,7 @@ class StackingTest(absltest.TestCase):
                            max_unique=3)]
     coll = pe.EmbeddingCollection(tables, [pe.FeatureSpec("f", "t")],
                                   self.mesh, "x")
-    state = coll.init(jax.random.key(0))
+    state = test_util.random_state(coll, 0)
     batch = {"f": np.arange(1, 9, dtype=np.int32)}
     grads = {"f": np.ones((8, 8), np.float32)}
     _, stats = coll.apply_gradients(state, batch, grads)
@@ -264,7 +264,7 @@ class StackingTest(absltest.TestCase):
 
   def test_non_finite_gradient_skips_the_stack(self):
     coll = pe.EmbeddingCollection(self.tables, self.features, self.mesh, "x")
-    state = coll.init(jax.random.key(4))
+    state = test_util.random_state(coll, 4)
     before = jax.tree.map(test_util.as_numpy, state)
     batch = {"item": np.arange(4, dtype=np.int32),
              "history": np.ones((4, 3), np.int32),
@@ -363,8 +363,8 @@ class FitMaxUniqueTest(absltest.TestCase):
         coll.raise_if_overflow(stats)
       return state
 
-    want = train(self.coll, self.coll.init(jax.random.key(0)))
-    got = train(fit, self.coll.init(jax.random.key(0)))  # same plan, state
+    want = train(self.coll, test_util.random_state(self.coll, 0))
+    got = train(fit, test_util.random_state(self.coll, 0))  # same plan, state
     for name in want.stacks:
       test_util.assert_bits_equal(self, got.stacks[name].table,
                                   test_util.as_numpy(want.stacks[name].table))
@@ -374,7 +374,7 @@ class FitMaxUniqueTest(absltest.TestCase):
 
   def test_a_batch_over_the_fit_says_so(self):
     fit = self.coll.fit_max_unique([self.batch(high=5)], headroom=1.0)
-    state = fit.init(jax.random.key(0))
+    state = test_util.random_state(fit, 0)
     big = self.batch(high=1000)
     _, stats = fit.apply_gradients(state, *_grads_of_sin(fit, state, big))
     with self.assertRaisesRegex(pe.UniqueOverflowError,
@@ -418,7 +418,7 @@ class UnitWeightsTest(absltest.TestCase):
                                       backend=backend)
         states = []
         for batch in (implicit, explicit):
-          state = coll.init(jax.random.key(0))
+          state = test_util.random_state(coll, 0)
           for _ in range(2):
             routing, grads = _grads_of_sin(coll, state, batch)
             state, _ = coll.apply_gradients(state, routing, grads)
@@ -453,7 +453,7 @@ class EagerCallTest(absltest.TestCase):
          pe.TableSpec("b", 50, 8, optimizer=opt)],
         [pe.FeatureSpec("f", "a"), pe.FeatureSpec("g", "b", combiner="sum")],
         test_util.mesh({"x": 8}), "x")
-    state = coll.init(jax.random.key(0))
+    state = test_util.random_state(coll, 0)
     batch = {"f": np.arange(8, dtype=np.int32),
              "g": np.ones((8, 3), np.int32)}
     grads = {"f": np.ones((8, 16), np.float32),
@@ -595,7 +595,7 @@ class ValidationTest(parameterized.TestCase):
 
   def test_rule4_names_the_feature(self):
     coll = self._coll()
-    state = coll.init(jax.random.key(0))
+    state = test_util.random_state(coll, 0)
     with self.assertRaisesRegex(pe.ShardingError, "^" + re.escape(
         "pallas_emb tokens_per_batch=6 does not shard evenly over the 4-rank "
         "communicator (batch['f'] has shape (6, 2))")):
@@ -636,7 +636,7 @@ class ValidationTest(parameterized.TestCase):
 
   def test_call_errors(self):
     coll = self._coll()
-    state = coll.init(jax.random.key(0))
+    state = test_util.random_state(coll, 0)
     with self.assertRaisesRegex(pe.InputError, r"batch has no ids for "
                                 r"features \['f'\]; it has keys \['g'\]"):
       coll.lookup(state, {"g": np.zeros(4, np.int32)})
@@ -653,7 +653,7 @@ class ValidationTest(parameterized.TestCase):
   def test_unplaced_inputs_are_placed_on_explicit_meshes(self):
     mesh = test_util.mesh({"x": 4}, explicit=True)
     coll = self._coll(mesh=mesh)
-    state = coll.init(jax.random.key(0))
+    state = test_util.random_state(coll, 0)
     batch, grads = {"f": [1, 2, 3, 4]}, {"f": np.ones((4, 8), np.float32)}
     new, stats = coll.apply_gradients(state, batch, grads)
     self.assertEqual(int(stats["stack0"].valid), 1)

@@ -289,7 +289,7 @@ class OneExchangePerStackTest(parameterized.TestCase):
   def test_trainer_step(self, pipelined):
     trainer = pipeline.Trainer(self.coll, self.loss_fn, optax.sgd(0.1),
                                pipelined=pipelined)
-    state = trainer.init(self.coll.init(jax.random.key(0)),
+    state = trainer.init(test_util.random_state(self.coll, 0),
                          {"w": jnp.ones((16,), jnp.float32)},
                          self.batch if pipelined else None)
     args = (state, self.batch, self.batch) if pipelined else (state,
@@ -314,7 +314,7 @@ class OneExchangePerStackTest(parameterized.TestCase):
     trainer = pipeline.Trainer(coll, self.loss_fn, optax.sgd(0.1),
                                pipelined=False)
     state = jax.eval_shape(lambda: trainer.init(
-        coll.init(jax.random.key(0)), {"w": jnp.ones((16,), jnp.float32)}))
+        test_util.random_state(coll, 0), {"w": jnp.ones((16,), jnp.float32)}))
     text = jax.jit(trainer.step).trace(state, self.batch).lower(
         lowering_platforms=("cuda",)).as_text()
     for kernel in ("pallas_emb_gather", "pallas_emb_segment_sum_pieces",

@@ -77,11 +77,11 @@ def make_case(layout, dtype, shard_width, ids_shape, explicit=False, seed=0):
 
 class LookupTest(parameterized.TestCase):
 
-  @parameterized.product(
+  @parameterized.parameters(*test_util.all_pairs(
       layout=list(LAYOUTS),
       dtype=[np.float32, test_util.BF16],
       shard_width=[3, 8],
-      explicit=[False, True])
+      explicit=[False, True]))
   def test_matches_model(self, layout, dtype, shard_width, explicit):
     ids_shape = (16, 2) if shard_width == 3 else (32,)
     ctx, table, ids = make_case(layout, dtype, shard_width, ids_shape,

@@ -95,8 +95,8 @@ OPTS = {
 
 class ApplyGradientsTest(parameterized.TestCase):
 
-  @parameterized.product(ranks=[1, 2, 4, 8], opt=list(OPTS),
-                         dtype=[np.float32, test_util.BF16])
+  @parameterized.parameters(*test_util.all_pairs(
+      ranks=[1, 2, 4, 8], opt=list(OPTS), dtype=[np.float32, test_util.BF16]))
   def test_matches_model(self, ranks, opt, dtype):
     shard_width = 3 if ranks in (1, 4) else 2
     tokens = 32

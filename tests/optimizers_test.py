@@ -253,7 +253,7 @@ class TrainerTest(parameterized.TestCase):
       return jnp.mean((pred - batch["y"]) ** 2), ()
 
     trainer = pe.Trainer(coll, loss_fn, optax.sgd(0.05), pipelined=True)
-    start = coll.init(jax.random.key(0))
+    start = test_util.random_state(coll, 0)
     before = {k: np.asarray(v) for k, v in
               coll.table_arrays(start).items()}
     state = trainer.init(start, {"w": jnp.full((width, 1), 0.1, jnp.float32)},

@@ -31,7 +31,7 @@ def make_setup(lazy, dtype, ranks=8, backend=None):
       [pe.FeatureSpec("ids", "t"), pe.FeatureSpec("hist", "t"),
        pe.FeatureSpec("small", "s")], mesh, "x", backend=backend)
   rng = np.random.default_rng(0)
-  state = coll.init(jax.random.key(0))
+  state = test_util.random_state(coll, 0)
   params = {"w": jnp.asarray(rng.standard_normal((2 * ranks, 1)),
                              jnp.float32) * 0.3,
             "v": jnp.asarray(rng.standard_normal((ranks, 1)),

@@ -222,7 +222,7 @@ class SpecTest(absltest.TestCase):
           [pe.TableSpec("t", 16, 8, optimizer=pe.Sgd(0.1),
                         placement=placement)],
           [pe.FeatureSpec("f", "t")], mesh, "x")
-      table = coll.init(jax.random.key(0)).stacks["stack0"].table
+      table = test_util.random_state(coll, 0).stacks["stack0"].table
       with self.subTest(placement=placement):
         with self.assertRaisesRegex(
             pe.ShardingError, r"single-table API holds column-placed tables "
@@ -261,7 +261,7 @@ class ModelCheck:
   """Lookups and three update steps of a collection against the model."""
 
   def _check(self, coll, shapes, rng, msg):
-    state = coll.init(jax.random.key(0))
+    state = test_util.random_state(coll, 0)
     model = Model(coll, {k: test_util.as_numpy(v)
                          for k, v in coll.table_arrays(state).items()})
     for step in range(3):
@@ -386,7 +386,7 @@ class OverflowTest(parameterized.TestCase):
     coll = pe.EmbeddingCollection([spec], [pe.FeatureSpec("f", "t")], mesh,
                                   "x")
     batch = {"f": np.array([0, 2, 4, 5, 0, 0], np.int32)}  # rank 0 | rank 1
-    state = coll.init(jax.random.key(0))
+    state = test_util.random_state(coll, 0)
     before = test_util.as_numpy(coll.table_arrays(state)["t"])
     emb, routing = coll.lookup_and_route(state, batch)
     got = test_util.as_numpy(emb["f"])
@@ -413,7 +413,7 @@ class OverflowTest(parameterized.TestCase):
     self.assertEqual(row.ids_per_partition(uncapped, batch), {"t": 3})
     fitted = uncapped.fit_max_ids_per_partition([batch], headroom=3)
     self.assertEqual(fitted.tables["t"].max_ids_per_partition, 16)
-    _, stats = fitted.apply_gradients(fitted.init(jax.random.key(0)), batch,
+    _, stats = fitted.apply_gradients(test_util.random_state(fitted, 0), batch,
                                       grads)
     self.assertEqual(int(stats["stack0"].num_overflow), 0)
 
@@ -432,7 +432,7 @@ class OverflowTest(parameterized.TestCase):
     batch = {"f": ids}
     (layout,) = coll.layouts(batch)
     self.assertTrue(layout.pool_on_owner)
-    state = coll.init(jax.random.key(0))
+    state = test_util.random_state(coll, 0)
     before = test_util.as_numpy(coll.table_arrays(state)["t"])
     emb, routing = coll.lookup_and_route(state, batch)
     served = before.copy()
@@ -475,7 +475,7 @@ class OverflowTest(parameterized.TestCase):
         [dataclasses.replace(spec, max_ids_per_partition=None)],
         [pe.FeatureSpec("f", "t")], coll.mesh, "x", replica_axis="r")
     self.assertEqual(row.ids_per_partition(uncapped, batch), {"t": 3})
-    _, stats = coll.apply_gradients(coll.init(jax.random.key(0)), batch,
+    _, stats = coll.apply_gradients(test_util.random_state(coll, 0), batch,
                                     {"f": np.ones((12, 8), np.float32)})
     self.assertEqual(int(stats["stack0"].num_overflow), 3)
     with self.assertRaisesRegex(pe.UniqueOverflowError, "had 3 more"):
@@ -511,7 +511,7 @@ class StateTest(absltest.TestCase):
     other: the same logical tables and optimizer states, bit for bit."""
     rng = np.random.default_rng(0)
     coll = small_collection(["row", "table", "replicated"])
-    state = coll.init(jax.random.key(1))
+    state = test_util.random_state(coll, 1)
     for _ in range(2):
       batch = small_batch(rng)
       emb = coll.lookup(state, batch)
@@ -546,7 +546,7 @@ class StateTest(absltest.TestCase):
         [pe.FeatureSpec("f", "t")], test_util.mesh({"x": ranks}), "x")
     for placement in ("row", "table", "replicated"):
       coll = make(placement, 4)
-      state = coll.init(jax.random.key(3))
+      state = test_util.random_state(coll, 3)
       # Trained once: the row-wise state is not its initial value.
       batch = {"f": np.arange(8, dtype=np.int32)}
       state, _ = coll.apply_gradients(
@@ -567,7 +567,7 @@ class StateTest(absltest.TestCase):
     """describe()'s bytes per rank are the state arrays' shards on every
     device."""
     coll = small_collection(["row", "table", "replicated"])
-    state = coll.init(jax.random.key(0))
+    state = test_util.random_state(coll, 0)
     text = coll.plan.describe()
     total = [0, 0]
     for stack in coll.plan.stacks:
@@ -599,7 +599,7 @@ class HloTest(absltest.TestCase):
       coll = small_collection([placement, "column", "column"])
       coll = pe.EmbeddingCollection(
           [coll.tables["a"]], [coll.features["fa"]], coll.mesh, "x")
-      state = coll.init(jax.random.key(0))
+      state = test_util.random_state(coll, 0)
       batch = {"fa": small_batch(rng)["fa"]}
       text = jax.jit(coll.lookup).lower(state, batch).compile().as_text()
       found = hlo.collective_bytes(text, coll.group_size)
@@ -629,7 +629,7 @@ class HloTest(absltest.TestCase):
     coll = pe.EmbeddingCollection(
         [spec], [pe.FeatureSpec("f", "t", combiner="sum")],
         test_util.mesh({"x": 4}), "x")
-    state = coll.init(jax.random.key(0))
+    state = test_util.random_state(coll, 0)
 
     def payloads(fn, *args):
       """Each all-to-all's per-rank blocks, as (dtype, dims) lists."""
@@ -668,7 +668,7 @@ class HloTest(absltest.TestCase):
       coll = pe.EmbeddingCollection(
           [spec], [pe.FeatureSpec("f", "t", combiner=bag and "mean")],
           test_util.mesh({"x": 4}), "x", backend="xla")
-      state = coll.init(jax.random.key(0))
+      state = test_util.random_state(coll, 0)
       ids = np.arange(32 * (bag or 1), dtype=np.int32) * 7
       batch = {"f": ids.reshape(32, bag) if bag else ids}
       self.assertEqual(coll.layouts(batch)[0].pool_on_owner, bool(bag))
@@ -709,7 +709,7 @@ class TrainerTest(absltest.TestCase):
       params = {"w": jnp.full((8, 1), 0.1), "v": jnp.full((16, 1), 0.1)}
       coll = small_collection(placements, ranks, replicas)
       trainer = pe.Trainer(coll, loss_fn, optax.sgd(0.1))
-      state = trainer.init(coll.init(jax.random.key(0)), params, batches[0])
+      state = trainer.init(test_util.random_state(coll, 0), params, batches[0])
       step = jax.jit(trainer.step, donate_argnums=0)
       losses = []
       for batch, following in zip(batches, batches[1:] + batches[-1:]):
@@ -756,7 +756,7 @@ class DenseGradTest(parameterized.TestCase):
     row-placed."""
     rng = np.random.default_rng(5)
     coll = small_collection(["row", "table", c_placement], ranks, replicas)
-    state = coll.init(jax.random.key(0))
+    state = test_util.random_state(coll, 0)
     batch = small_batch(rng)
     self.assertEqual([layout.pool_on_owner for layout in coll.layouts(batch)
                       if layout.features[0].name == "fc"], [on_owner])

@@ -270,7 +270,7 @@ class PlannedCollectionTest(absltest.TestCase):
     coll, report = self._planned(4, None)
     self.assertGreater(len({s.placement for s in coll.plan.stacks}), 1,
                        coll.plan.describe())
-    state = coll.init(jax.random.key(0))
+    state = test_util.random_state(coll, 0)
     for device in range(4):
       on_device = sum(leaf.addressable_shards[device].data.nbytes
                       for leaf in jax.tree.leaves(state.stacks))
@@ -281,7 +281,7 @@ class PlannedCollectionTest(absltest.TestCase):
     lr, ranks = 0.5, 2
     coll, _ = self._planned(ranks, pe.Sgd(lr))
     rng = np.random.default_rng(0)
-    state = coll.init(jax.random.key(0))
+    state = test_util.random_state(coll, 0)
     want = {k: np.asarray(v, np.float64)
             for k, v in coll.table_arrays(state).items()}
     for _ in range(3):

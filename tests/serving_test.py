@@ -228,7 +228,7 @@ class ServingTest(parameterized.TestCase):
     coll = pe.EmbeddingCollection([spec], [pe.FeatureSpec("f", "t")],
                                   test_util.mesh({"x": 4}), "x",
                                   backend="xla")
-    serving = coll.quantize(coll.init(jax.random.key(0)), "int8")
+    serving = coll.quantize(test_util.random_state(coll, 0), "int8")
     batch = {"f": np.arange(12, dtype=np.int32)}  # 3 ids per rank: C = 3
     text = jax.jit(coll.lookup).lower(serving, batch).compile().as_text()
     found = hlo.collective_bytes(text, 4)
@@ -359,7 +359,7 @@ class ServingExportTest(absltest.TestCase):
          pe.FeatureSpec("age", table="ages"),
          pe.FeatureSpec("city", table="cities")],
         test_util.mesh({"x": 8}), "x", backend="xla")
-    train = coll.init(jax.random.key(0))
+    train = test_util.random_state(coll, 0)
     state = {"emb": coll.quantize(train, "int8"),
              "w": jax.random.normal(jax.random.key(1), (16, 16))}
 

@@ -167,7 +167,7 @@ class PooledModelTest(parameterized.TestCase):
         self._check(coll, rng, dtype, examples=2 * ranks)
 
   def _check(self, coll, rng, dtype, examples):
-    state = coll.init(jax.random.key(0))
+    state = test_util.random_state(coll, 0)
     model = PooledModel(coll, {k: test_util.as_numpy(v) for k, v in
                                coll.table_arrays(state).items()})
     lookup = jax.jit(coll.lookup)
@@ -279,7 +279,7 @@ class PooledDenseTest(absltest.TestCase):
 
   def test_dense_gradient(self):
     coll, rng = make_collection(4, jnp.float32, "xla", 7)
-    state = coll.init(jax.random.key(1))
+    state = test_util.random_state(coll, 1)
     batch, inputs = random_batch(coll, rng, 8)
     cts = {n: rng.standard_normal(e.shape).astype(np.float32)
            for n, e in coll.lookup(state, batch).items()}
@@ -319,7 +319,7 @@ class PooledExchangeTest(absltest.TestCase):
         [pe.TableSpec("t", 1000, 32, optimizer=opt)],
         [pe.FeatureSpec("bag", "t", combiner="sum")], mesh, "x")
     batch = {"bag": np.ones((64, 20), np.int32)}  # B=64: 8 per rank, L=20
-    state = coll.init(jax.random.key(0))
+    state = test_util.random_state(coll, 0)
     text = jax.jit(coll.lookup_and_route).lower(state, batch).as_text()
     shapes = re.findall(r"stablehlo.all_to_all.*?: \(tensor<([0-9x]+)xf32>",
                         text.replace("\n", " "))
@@ -336,7 +336,7 @@ class InputTest(absltest.TestCase):
   def setUp(self):
     super().setUp()
     self.coll, _ = make_collection(2, jnp.float32, "xla", 0)
-    self.state = self.coll.init(jax.random.key(0))
+    self.state = test_util.random_state(self.coll, 0)
     rng = np.random.default_rng(0)
     self.batch, _ = random_batch(self.coll, rng, 4)
 

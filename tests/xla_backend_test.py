@@ -41,8 +41,9 @@ class XlaBackendTest(parameterized.TestCase):
     np.testing.assert_allclose(np.asarray(got_sq), np.asarray(want_sq),
                                rtol=4e-7 * np.log2(max(width, 2)) + 1e-7)
 
-  @parameterized.product(name=tuple(optimizer_kernels_test.OPTIMIZERS),
-                         dtype=DTYPES, apply=(True, False))
+  @parameterized.parameters(*test_util.all_pairs(
+      name=tuple(optimizer_kernels_test.OPTIMIZERS), dtype=DTYPES,
+      apply=(True, False)))
   def test_sparse_update(self, name, dtype, apply):
     opt = optimizer_kernels_test.OPTIMIZERS[name]
     width = 6
