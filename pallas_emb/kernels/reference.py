@@ -81,14 +81,14 @@ def touched_rows(rule, table, row_state, element_state, unique_tokens,
   rows = jnp.where(ok, tokens, 0)
   old = {name: a[rows] for name, a in zip(rule.row_slots + rule.element_slots,
                                           row_state + element_state)}
-  old["table"] = table[rows]
+  old["table"] = common.logical_rows(table[rows])
   new, coeffs = rule.row_update({n: old[n] for n in rule.row_slots}, row_sq,
                                 step, scalars, emb_width)
   new = dict(new)
   new["table"], new_element = rule.column_update(
       tuple(c[:, None] for c in coeffs), old["table"].astype(jnp.float32),
       grad_accum, {n: old[n] for n in rule.element_slots}, scalars,
-      table.dtype)
+      common.logical_dtype(table.dtype))
   new.update(new_element)
   return TouchedRows(ok, jnp.where(ok, tokens, vocab_rows), old, new)
 
