@@ -350,7 +350,10 @@ class EmbeddingCollection:
     Differentiable w.r.t. the state's tables: the cotangent is the dense
     scatter-add (right for plain `jax.grad` + optax, O(rows) memory) and,
     like the sparse update, gives nothing to padding and to ids outside
-    their table; `apply_gradients` is the sparse path.
+    their table; `apply_gradients` is the sparse path. A state from `init`
+    or `state_from_*` holds a bf16 table as its uint16 bits on the xla
+    backend (`placement.storage_dtype`; float0 cotangent): differentiate a
+    state of bf16 stack tables instead (the layers' params).
 
     `state` may be a `ServingState` (`quantize`): the rows are then read
     from the serving copy, dequantized inside the gather and the pool (an
