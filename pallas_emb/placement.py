@@ -38,8 +38,10 @@ def storage_dtype(stack: StackPlan, backend: str) -> np.dtype:
 
 
 def as_storage(stack: StackPlan, backend: str, table):
-  """A stack's table (physical, logical dtype) as its state holds it."""
-  if np.dtype(table.dtype) == storage_dtype(stack, backend):
+  """A stack's physical table in its dtype as its state holds it (another
+  dtype is left as it is, for `check_state` to name)."""
+  if (np.dtype(table.dtype) != stack.dtype
+      or storage_dtype(stack, backend) == stack.dtype):
     return table
   return _bitcast(table, to_bits=True)
 

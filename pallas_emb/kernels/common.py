@@ -212,11 +212,11 @@ def logical_rows(rows: jax.Array) -> jax.Array:
 
 
 def stored_rows(rows: jax.Array, storage_dtype) -> jax.Array:
-  """Logical rows (or a table) as `storage_dtype`: bf16 as its uint16 bits
-  when that is the storage, else unchanged."""
-  if jnp.dtype(storage_dtype) != BF16_BITS or rows.dtype == BF16_BITS:
+  """Rows (or a table) of their logical dtype as `storage_dtype`: bf16 as
+  its uint16 bits when that is the storage, else unchanged."""
+  if jnp.dtype(storage_dtype) != BF16_BITS or rows.dtype != jnp.bfloat16:
     return rows
-  return jax.lax.bitcast_convert_type(rows.astype(jnp.bfloat16), BF16_BITS)
+  return jax.lax.bitcast_convert_type(rows, BF16_BITS)
 
 
 def round_to(x: jax.Array, dtype) -> jax.Array:
