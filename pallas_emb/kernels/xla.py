@@ -102,19 +102,19 @@ def pool_rows(table, rows, weights, bag_starts, *, max_len: int,
   loop that convert is shared and hoisted (a table-sized pass per step), so
   a non-f32 table's entry rows are gathered (and made f32, exactly) once,
   before the loop: an `[E, S]` f32 buffer. The same sums in the same order.
-  A uint16 table (bf16 bits) is gathered as uint16, its rows bitcast.
+  A uint16 table (bf16 bits) has no such convert: it is pooled as an f32
+  one, its gathered rows bitcast and converted.
   """
-  if table.dtype == jnp.float32:
+  if table.dtype in (jnp.float32, common.BF16_BITS):
     return reference.pool_rows(table, rows, weights, bag_starts,
                                max_len=max_len, out_dtype=out_dtype)
-  out_dtype = out_dtype or common.logical_dtype(table.dtype)
+  out_dtype = out_dtype or table.dtype
   vocab_rows, width = table.shape
   num_bags = bag_starts.shape[0] - 1
   if num_bags == 0 or max_len == 0 or rows.shape[0] == 0:
     return jnp.zeros((num_bags, width), out_dtype)
-  entry_rows = common.logical_rows(jnp.take(
-      table, common.wrap_and_clamp(rows, vocab_rows), axis=0)
-                                   ).astype(jnp.float32)
+  entry_rows = jnp.take(table, common.wrap_and_clamp(rows, vocab_rows),
+                        axis=0).astype(jnp.float32)
   values = lambda entry: jnp.take(entry_rows, entry, axis=0, mode="clip")
   return reference._pool_entries(values, weights, bag_starts, width,  # pylint: disable=protected-access
                                  max_len).astype(out_dtype)
