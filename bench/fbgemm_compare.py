@@ -293,7 +293,7 @@ def run_pallas(work: dict, arrays: dict, directory: str, dtype_name: str,
       cpu.append(cpu_s)
   load_after = _loadavg()
   stack = state.stacks["stack0"]
-  final = np.asarray(jax.device_get(stack.table))
+  final = np.asarray(jax.device_get(coll.table_arrays(state)["t"]))
   row_state = np.asarray(jax.device_get(stack.opt_state.row_state))
   cast = None
   if dtype != jnp.float32:

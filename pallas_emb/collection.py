@@ -182,8 +182,13 @@ class EmbeddingCollection:
           f"pallas_emb collection stack tables {sorted(tables)}; expected "
           f"exactly the stacks {sorted(stacks)} of coll.plan.")
     return CollectionState({
-        name: StackState(tables[name], self._fresh_opt_state(stack))
+        name: StackState(self._stored(stack, tables[name]),
+                         self._fresh_opt_state(stack))
         for name, stack in stacks.items()}, self.plan.fingerprint)
+
+  def _stored(self, stack, table):
+    """A physical table as the state holds it (`placement.storage_dtype`)."""
+    return placement_lib.as_storage(stack, self.backend, table)
 
   def state_from_arrays(self, tables: Mapping[str, jax.Array],
                         opt_states: Mapping[str, Any] | None = None
@@ -228,15 +233,15 @@ class EmbeddingCollection:
         opt_state = placement_lib.jitted(
             placement_lib.state_to_physical, stack, shardings)(
                 [opt_states[n] for n in stack.tables])
-      stacks[stack.name] = StackState(table, opt_state)
+      stacks[stack.name] = StackState(self._stored(stack, table), opt_state)
     return CollectionState(stacks, self.plan.fingerprint)
 
   def table_arrays(self, state: CollectionState) -> dict[str, jax.Array]:
     """`{table name: [vocab_rows, emb_width]}`, column-sharded."""
-    state_lib.check_state(self.plan, state)
+    self._check_state(state)
     out = {}
     for stack in self.plan.stacks:
-      table = state.stacks[stack.name].table
+      table = placement_lib.as_logical(state.stacks[stack.name].table)
       if stack.placement == "column":
         parts = placement_lib.from_physical(stack, table)
       else:
@@ -247,7 +252,7 @@ class EmbeddingCollection:
 
   def optimizer_arrays(self, state: CollectionState) -> dict[str, Any]:
     """`{table name: optimizer state of its rows}`."""
-    state_lib.check_state(self.plan, state)
+    self._check_state(state)
     out = {}
     for stack in self.plan.stacks:
       opt_state = state.stacks[stack.name].opt_state
@@ -275,10 +280,11 @@ class EmbeddingCollection:
     `apply_gradients` and the Trainer refuse it. A table with a non-finite
     row cannot be quantized to int8 (InputError).
     """
-    state_lib.check_state(self.plan, state)
+    self._check_state(state)
     name = quantize_lib.check_serving_dtype(dtype)
     return ServingState(
-        {s.name: quantize_lib.quantize_rows(state.stacks[s.name].table, name)
+        {s.name: quantize_lib.quantize_rows(
+            placement_lib.as_logical(state.stacks[s.name].table), name)
          for s in self.plan.stacks}, name, self.plan.fingerprint,
         state_lib.serving_layouts(self.plan))
 
@@ -317,14 +323,17 @@ class EmbeddingCollection:
     return tuple(exchange.place(values[name], self.token_sharding())
                  for name in self.features)
 
+  def _check_state(self, state) -> None:
+    state_lib.check_state(self.plan, state, self.backend)
+
   def _tables(self, state: CollectionState) -> tuple[jax.Array, ...]:
-    state_lib.check_state(self.plan, state)
+    self._check_state(state)
     return exchange.place_state(
         tuple(state.stacks[s.name].table for s in self.plan.stacks),
         self._table_specs(), self.mesh, "state table")
 
   def _stack_states(self, state: CollectionState):
-    state_lib.check_state(self.plan, state)
+    self._check_state(state)
     specs = self._state_specs()
     return exchange.place_state(
         tuple(state.stacks[s.name] for s in self.plan.stacks),
@@ -341,7 +350,10 @@ class EmbeddingCollection:
     Differentiable w.r.t. the state's tables: the cotangent is the dense
     scatter-add (right for plain `jax.grad` + optax, O(rows) memory) and,
     like the sparse update, gives nothing to padding and to ids outside
-    their table; `apply_gradients` is the sparse path.
+    their table; `apply_gradients` is the sparse path. A state from `init`
+    or `state_from_*` holds a bf16 table as its uint16 bits on the xla
+    backend (`placement.storage_dtype`; float0 cotangent): differentiate a
+    state of bf16 stack tables instead (the layers' params).
 
     `state` may be a `ServingState` (`quantize`): the rows are then read
     from the serving copy, dequantized inside the gather and the pool (an
@@ -457,7 +469,7 @@ class EmbeddingCollection:
       `(state, {stack name: UpdateStats})`; check the stats with
       `raise_if_overflow` outside jit.
     """
-    state_lib.check_state(self.plan, state)
+    self._check_state(state)
     routing = (batch_or_routing if isinstance(batch_or_routing, Routing)
                else self.route(batch_or_routing))
     state_lib.check_routing(self.plan, self.features, routing)

@@ -421,7 +421,7 @@ class FlaxTrainer:
     embedding = state.embedding
     if self._home is not None:
       for name, stack in embedding.stacks.items():
-        flat[self._home + (name,)] = stack.table
+        flat[self._home + (name,)] = placement_lib.as_logical(stack.table)
     else:
       for name, table in self.collection.table_arrays(embedding).items():
         flat[_embed_path(name)] = table

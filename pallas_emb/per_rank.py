@@ -15,6 +15,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from pallas_emb import exchange
 from pallas_emb import row
@@ -122,7 +123,13 @@ def collection_lookup_bwd(coll, layouts, residuals, cotangents):
                 coll._pooled_specs(), coll._feature_specs()),
       out_specs=coll._table_specs())(tables, all_ids, all_weights,
                                      tuple(cotangents))
-  # No cotangent for the ids; the weights' would need the table (unused).
+  # A table held as uint16 bits (`placement.storage_dtype`) is not
+  # differentiable: its cotangent is float0. No cotangent for the ids; the
+  # weights' would need the table (unused).
+  table_cts = tuple(
+      ct if jnp.issubdtype(t.dtype, jnp.inexact)
+      else np.zeros(t.shape, jax.dtypes.float0)
+      for t, ct in zip(tables, table_cts))
   return table_cts, None, jax.tree.map(jnp.zeros_like, all_weights)
 
 

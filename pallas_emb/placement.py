@@ -14,13 +14,62 @@ from typing import Any, Sequence
 import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
+import numpy as np
 
+from pallas_emb.kernels import common
 from pallas_emb.stacking import StackPlan
 
 COLUMN = "column"
 ROW = "row"
 TABLE = "table"
 REPLICATED = "replicated"
+
+
+def storage_dtype(stack: StackPlan, backend: str) -> np.dtype:
+  """The dtype a collection state holds the stack's table in: the stack's
+  own, except a bf16 table on the xla backend, held as its uint16 bits
+  (`kernels.common.BF16_BITS`: XLA:CPU scatters uint16 rows in place, but
+  runs a bf16 scatter, or a bitcast of the table, over every row). The
+  bytes are the same; `table_arrays`, checkpoints, the layers and
+  `quantize` see bf16."""
+  if backend == "xla" and stack.dtype == np.dtype(jnp.bfloat16):
+    return np.dtype(common.BF16_BITS)
+  return stack.dtype
+
+
+def as_storage(stack: StackPlan, backend: str, table):
+  """A stack's physical table in its dtype as its state holds it (another
+  dtype is left as it is, for `check_state` to name)."""
+  if (np.dtype(table.dtype) != stack.dtype
+      or storage_dtype(stack, backend) == stack.dtype):
+    return table
+  return _bitcast(table, to_bits=True)
+
+
+def as_logical(table):
+  """A state's stack table in its logical dtype (bf16 for uint16 bits)."""
+  if table.dtype != common.BF16_BITS:
+    return table
+  return _bitcast(table, to_bits=False)
+
+
+def _bitcast(x, to_bits: bool):
+  """The whole-table bitcast, outside the step, keeping `x`'s sharding."""
+  if not isinstance(x, jax.Array) or isinstance(x, jax.core.Tracer):
+    return _bitcast_fn(to_bits)(x)
+  return _jitted_bitcast(to_bits, x.sharding)(x)
+
+
+def _bitcast_fn(to_bits: bool):
+  if to_bits:
+    return functools.partial(common.stored_rows,
+                             storage_dtype=common.BF16_BITS)
+  return common.logical_rows
+
+
+@functools.lru_cache(maxsize=64)
+def _jitted_bitcast(to_bits: bool, sharding):
+  return jax.jit(_bitcast_fn(to_bits), out_shardings=sharding)
 
 
 def _state(opt, arrays, step):

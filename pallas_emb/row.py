@@ -213,7 +213,7 @@ def _serve_on_owner(layout: StackLayout, backend: str, table,
     partials = kernels.pool_rows(
         table, *bags, max_len=layout.max_bag_len, backend=backend,
         config=config.pool, out_dtype=jnp.float32)
-    out_dtype = table.dtype
+    out_dtype = common.logical_dtype(table.dtype)
   mine = exchange.all_to_all(ctx, partials).reshape(
       ctx.group_size, layout.pooled_bags, -1)
   pooled = _sum_in_rank_order(mine).astype(out_dtype)
@@ -332,8 +332,8 @@ def update(layout: StackLayout, backend: str, table, opt_state,
   if layout.pool_on_owner:
     received = _owner_entry_grads(layout, grads, routing)
   else:
-    received = _sent_grads(layout, grads, routing, backend, table.dtype,
-                           kernel_config)
+    received = _sent_grads(layout, grads, routing, backend,
+                           common.logical_dtype(table.dtype), kernel_config)
   return update_lib.update_from_routed(
       layout.ctx, layout.optimizer, backend, table, opt_state, received,
       routing.owner_segments, routing.owner_unique, pending,
@@ -347,13 +347,14 @@ def dense_grad_stack(layout: StackLayout, table, ids, weights, cotangents):
   routing, received = _exchange_keys(layout, ids, weights)
   sums = (_owner_entry_grads(layout, cotangents, routing)
           if layout.pool_on_owner else
-          _sent_grads(layout, cotangents, routing, "xla", table.dtype, None))
+          _sent_grads(layout, cotangents, routing, "xla",
+                      common.logical_dtype(table.dtype), None))
   trains = (received >= 0) & (received != FILL_VALUE)
   dense = jnp.zeros(table.shape, jnp.float32).at[
       jnp.where(trains, received, table.shape[0])].add(sums, mode="drop")
   if layout.ctx.replica_axis:
     dense = lax.psum(dense, layout.ctx.replica_axis)
-  return dense.astype(table.dtype)
+  return dense.astype(common.logical_dtype(table.dtype))
 
 
 def ids_per_partition(coll, batch) -> dict[str, int]:

@@ -375,7 +375,7 @@ def update(layout: StackLayout, backend: str, table, opt_state,
   if layout.pooled and backend == "xla":
     grad_accum, row_sq = grad_sums_by_position(
         layout, grads, weights_all, routing.segments,
-        routing.unique_tokens.shape[0], table.dtype)
+        routing.unique_tokens.shape[0], common.logical_dtype(table.dtype))
     return update_lib.update_from_sums(
         layout.ctx, layout.optimizer, backend, table, opt_state, grad_accum,
         row_sq, routing.unique_tokens, pending, routing.num_overflow,
@@ -401,7 +401,7 @@ def dense_grad(layout: StackLayout, table, keys_all, weights_all, cotangents):
           routed.astype(jnp.float32), mode="drop")
   if layout.ctx.replica_axis:
     dense = lax.psum(dense, layout.ctx.replica_axis)
-  return dense.astype(table.dtype)
+  return dense.astype(common.logical_dtype(table.dtype))
 
 
 # --- the per-rank entry points of a column or replicated stack --------------------

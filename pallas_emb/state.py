@@ -16,6 +16,7 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
+from pallas_emb import placement
 from pallas_emb import quantize
 from pallas_emb.errors import InputError
 from pallas_emb.quantize import QuantizedRows
@@ -99,8 +100,10 @@ def serving_layouts(plan) -> dict[str, np.ndarray]:
           for s in plan.stacks if s.placement in ("row", "table")}
 
 
-def check_state(plan, state) -> None:
-  """A training state of `plan`'s collection: its stacks, dtypes, shapes."""
+def check_state(plan, state, backend: str) -> None:
+  """A training state of `plan`'s collection on `backend`: its stacks,
+  shapes and table dtypes (a stack's own, or the storage dtype that
+  `placement.storage_dtype` gives it on that backend)."""
   if isinstance(state, ServingState):
     raise InputError(
         "pallas_emb collection state is a ServingState (the read-only "
@@ -118,11 +121,15 @@ def check_state(plan, state) -> None:
   for stack in plan.stacks:
     table = state.stacks[stack.name].table
     shape = (stack.total_rows, stack.emb_width)
-    if tuple(table.shape) != shape or np.dtype(table.dtype) != stack.dtype:
+    stored = placement.storage_dtype(stack, backend)
+    if (tuple(table.shape) != shape
+        or np.dtype(table.dtype) not in (stack.dtype, stored)):
+      bits = (f" (held as {stored.name} on the {backend} backend)"
+              if stored != stack.dtype else "")
       raise InputError(
           f"pallas_emb collection state {stack.name} table is "
           f"{np.dtype(table.dtype).name}{list(table.shape)}; the plan says "
-          f"{stack.dtype.name}{list(shape)}.")
+          f"{stack.dtype.name}{list(shape)}{bits}.")
 
 
 def _check_stack_names(plan, stacks, what: str, fix: str) -> None:

@@ -63,8 +63,8 @@ def update_from_routed(ctx: EmbeddingContext, opt, backend: str, table,
   of the communicator, `segments` `[N]` each token's unique slot (-1: none).
   """
   grad_accum, row_sq = kernels.segment_sum_rows(
-      routed, segments, unique_tokens.shape[0], round_dtype=table.dtype,
-      backend=backend,
+      routed, segments, unique_tokens.shape[0],
+      round_dtype=common.logical_dtype(table.dtype), backend=backend,
       config=kernel_config.segment_sum if kernel_config else None)
   return update_from_sums(ctx, opt, backend, table, opt_state, grad_accum,
                           row_sq, unique_tokens, pending, num_overflow,
@@ -88,7 +88,8 @@ def update_from_sums(ctx: EmbeddingContext, opt, backend: str, table,
   if ctx.replica_axis:
     # Every replica applies the same update: sum all replicas' rows first.
     grad_accum = _ordered_sum(grad_accum, ctx.replica_axis)
-    row_sq = common.row_square_sums(grad_accum, table.dtype)
+    row_sq = common.row_square_sums(grad_accum,
+                                    common.logical_dtype(table.dtype))
   if ctx.group_size > 1 and norms == COLUMNS:
     row_sq = _ordered_sum(row_sq, ctx.table_axis)
   elif ctx.group_size > 1 and norms == ROWS:

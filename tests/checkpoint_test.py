@@ -478,6 +478,49 @@ class CollectionCheckpointTest(_DirTest):
         restored, {f: np.ones(8, np.int32) for f in coll.features},
         {f: np.ones((8, 16), np.float32) for f in coll.features})
 
+  def test_bf16_tables_are_saved_and_shown_as_bf16(self):
+    """The xla backend's state holds a bf16 table as its uint16 bits; every
+    view of it is bf16 with the same bits: table_arrays, a checkpoint
+    (restored by a collection whose state holds bf16, and the other way
+    round, checksums verified) and a bf16 serving copy."""
+    rng = np.random.default_rng(3)
+    # Every bf16 bit pattern class: random bits (incl. NaN payloads, -0).
+    bits = rng.integers(0, 2**16, (8, 16), dtype=np.uint16)
+    host = {"genre": bits.view(jnp.bfloat16),
+            "items": rng.standard_normal((40, 16)).astype(np.float32)}
+
+    def collection(backend):
+      return pe.EmbeddingCollection(
+          [pe.TableSpec(n, *host[n].shape, dtype=host[n].dtype,
+                        optimizer=pe.RowwiseAdagrad(0.1)) for n in host],
+          [pe.FeatureSpec(n, n) for n in host], test_util.mesh({"x": 2}),
+          "x", backend=backend)
+
+    def assert_shows(coll, state):
+      tables = coll.table_arrays(state)
+      for name, want in host.items():
+        self.assertEqual(tables[name].dtype, want.dtype)
+        np.testing.assert_array_equal(_bits(tables[name]), _bits(want))
+
+    xla, interpret = collection("xla"), collection("interpret")
+    state = xla.state_from_arrays(host)
+    assert_shows(xla, state)
+    # The Pallas kernels read bf16: the bits do not pass as a table there.
+    with self.assertRaisesRegex(pe.InputError, r"table is uint16\[8, 16\]; "
+                                r"the plan says bfloat16\[8, 16\]\."):
+      interpret.table_arrays(state)
+    (genre,) = [s.name for s in xla.plan.stacks if s.tables == ("genre",)]
+    served = xla.quantize(state, "bfloat16").stacks[genre]
+    self.assertEqual(served.dtype, jnp.bfloat16)
+    np.testing.assert_array_equal(_bits(served), bits)
+    # Saved by the xla collection, restored where the state holds bf16 (the
+    # layout of checkpoints written before), and back.
+    ckpt.save_collection(self.dir, xla, state, step=1)
+    restored, _ = ckpt.restore_collection(self.dir, interpret)
+    assert_shows(interpret, restored)
+    ckpt.save_collection(self.dir, interpret, restored, step=2)
+    assert_shows(xla, ckpt.restore_collection(self.dir, xla, step=2)[0])
+
   def test_unknown_saved_table(self):
     saved_coll = _collection(2, ["items", "users"])
     ckpt.save_collection(self.dir, saved_coll,

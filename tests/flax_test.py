@@ -748,14 +748,14 @@ class FlaxTrainerTest(parameterized.TestCase):
 SEQ = 3  # history length
 
 
-def three_table_collection(mesh, backend, opt=None):
+def three_table_collection(mesh, backend, opt=None, dtype=jnp.float32):
   """3 tables (users + items stack, genre alone), 4 features: "item" and
   the [B, SEQ] "history" share the items table."""
   opt = opt or pe.RowwiseAdagrad(0.2, half_life_steps=10.0)
   return pe.EmbeddingCollection(
-      [pe.TableSpec("users", 23, 16, optimizer=opt),
-       pe.TableSpec("items", 29, 16, optimizer=opt),
-       pe.TableSpec("genre", 7, 8, optimizer=opt)],
+      [pe.TableSpec("users", 23, 16, optimizer=opt, dtype=dtype),
+       pe.TableSpec("items", 29, 16, optimizer=opt, dtype=dtype),
+       pe.TableSpec("genre", 7, 8, optimizer=opt, dtype=dtype)],
       [pe.FeatureSpec("user", "users"), pe.FeatureSpec("item", "items"),
        pe.FeatureSpec("history", "items"), pe.FeatureSpec("genre", "genre")],
       mesh, "x", backend=backend)
@@ -956,15 +956,15 @@ class EmbeddingCollectionModuleTest(parameterized.TestCase):
     grads_close(self, jax.jit(jax.grad(loss))(params)["params"]["stack0"],
                 expected)
 
-  @parameterized.parameters(False, True)
-  def test_flax_trainer_equals_pe_trainer(self, pipelined):
+  @parameterized.parameters((False, jnp.float32), (True, jnp.bfloat16))
+  def test_flax_trainer_equals_pe_trainer(self, pipelined, dtype):
     batches = [b for _, b in self.batches]
     dense_opt = optax.adam(1e-2)
     # Plumbing only: the kernels behind it are the same either way, and the
     # TwoTower test runs FlaxTrainer on every backend. The first one only.
     for backend in test_util.backends()[:1]:
       with self.subTest(backend=backend):
-        coll = three_table_collection(self.mesh, backend)
+        coll = three_table_collection(self.mesh, backend, dtype=dtype)
         model, params = self._init(coll)
         params = nn.unbox(params)
         trainer = pe_flax.FlaxTrainer(model, coll, mse, dense_opt,
@@ -997,6 +997,10 @@ class EmbeddingCollectionModuleTest(parameterized.TestCase):
         # params(): the module's stacks back in place; apply agrees.
         out = trainer.params(state)
         self.assertEqual(jax.tree.structure(out), jax.tree.structure(params))
+        # The tables as the module holds them: bf16 stays bf16 (a state
+        # may hold it as uint16 bits).
+        self.assertEqual(jax.tree.map(lambda x: x.dtype, out),
+                         jax.tree.map(lambda x: x.dtype, params))
         test_util.assert_bits_equal(
             self, jax.jit(model.apply)({"params": out}, batches[1]),
             test_util.as_numpy(jax.jit(trainer.apply)(state, batches[1])))

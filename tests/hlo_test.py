@@ -35,13 +35,16 @@ formulations: a bf16 `table.at[ids].add(g)` without donation, a `table + 0`
 style full pass, and a missed donation of an f32 scatter; and passes on a
 donated in-place f32 scatter.
 
-Known limit, pinned rather than hidden: on XLA:CPU (jax 0.10) the `xla`
-backend's bf16 update goes through a uint16 view, and XLA:CPU emits the two
-same-width `bitcast-convert`s as loops over the table (see
-`kernels/reference.py` and BUILD.md, Known limitations). For (cpu, xla,
-bf16) the test asserts that exactly those bitcast-converts are found, so it fails as
-soon as anything else shows up, and tells you to tighten it once they are
-gone. Set PALLAS_EMB_HLO_STRICT=1 to treat them as failures too.
+A collection state holds a bf16 table on the `xla` backend as its uint16
+bits (`placement.storage_dtype`), so the collection and Trainer steps are
+held to zero table-sized ops for bf16 too. Known limit, pinned rather than
+hidden: the single-table API takes the user's bf16 table as bf16, whose
+update on XLA:CPU (jax 0.10) goes through a uint16 view that XLA:CPU runs
+as two same-width `bitcast-convert` loops over the table (`kernels/xla.py`,
+BUILD.md, Known limitations). For those steps on (cpu, xla, bf16) the test
+asserts that exactly those bitcast-converts are found, so it fails as soon
+as anything else shows up, and tells you to tighten it once they are gone.
+Set PALLAS_EMB_HLO_STRICT=1 to treat them as failures too.
 """
 
 import functools
@@ -81,9 +84,11 @@ def hlo_backend() -> str:
   return "xla"
 
 
-def known_limit(dtype: str, backend: str) -> bool:
+def known_limit(dtype: str, backend: str, raw_table: bool) -> bool:
+  """The single-table API's bf16 table on XLA:CPU (`raw_table`: the step
+  takes the user's bf16 table, not a collection state's uint16 bits)."""
   return (not STRICT and PLATFORM == "cpu" and backend == "xla" and
-          dtype == "bfloat16")
+          dtype == "bfloat16" and raw_table)
 
 
 def setup(ranks, dtype, lazy=False):
@@ -130,10 +135,10 @@ def _named(**axes):
 
 class HloTest(parameterized.TestCase):
 
-  def check(self, hlo_text, dtype, backend, what):
+  def check(self, hlo_text, dtype, backend, what, raw_table=False):
     bad = hlo.full_table_ops(hlo_text, VOCAB)
     found = [f"{b.opcode} {b.name} {b.shape}" for b in bad]
-    if known_limit(dtype, backend):
+    if known_limit(dtype, backend, raw_table):
       others = [f for f, b in zip(found, bad)
                 if not (b.opcode == "fusion" and
                         "bitcast-convert" in b.name)]
@@ -166,7 +171,8 @@ class HloTest(parameterized.TestCase):
 
     text = step.lower(table, state, batch["ids"]).compile().as_text()
     self.check(text, dtype, backend,
-               f"sparse step ranks={ranks} {dtype} lazy={lazy}")
+               f"sparse step ranks={ranks} {dtype} lazy={lazy}",
+               raw_table=True)
     # The donated table comes back in the same buffer.
     self.assertRegex(text.splitlines()[0], r"input_output_alias=\{ \{0\}: "
                      r"\(0, \{\}")
@@ -192,7 +198,8 @@ class HloTest(parameterized.TestCase):
 
     text = step.lower(table, state, batch["ids"]).compile().as_text()
     self.check(text, dtype, backend,
-               f"single-table step, linear loss, ranks={ranks} {dtype}")
+               f"single-table step, linear loss, ranks={ranks} {dtype}",
+               raw_table=True)
 
   @parameterized.named_parameters(*_named(
       ranks=(1, 8), dtype=("float32", "bfloat16"), pipelined=(True, False),

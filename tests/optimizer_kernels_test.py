@@ -167,7 +167,7 @@ class SparseUpdateTest(parameterized.TestCase):
                      1 + len(rows) + len(elements))
 
   @parameterized.product(name=list(OPTIMIZERS),
-                         dtype=(jnp.float32, jnp.bfloat16))
+                         dtype=(jnp.float32, jnp.bfloat16, jnp.uint16))
   @absltest.skipIf(test_util.ON_GPU, test_util.CPU_ONLY)
   def test_twin_does_not_copy_the_table_or_state(self, name, dtype):
     """Compiled for CPU with donation, the twin scatters into its buffers.
@@ -175,7 +175,8 @@ class SparseUpdateTest(parameterized.TestCase):
     No table-sized op may remain but the in-place scatters (`hlo.
     full_table_ops`); for a bf16 table, XLA:CPU's two same-width
     `bitcast-convert`s of the table's uint16 view are the known limit
-    (see `reference.sparse_update`).
+    (see `xla.sparse_update`). A bf16 table given as its uint16 bits (how a
+    collection state holds it on the xla backend) is held to none.
     """
     opt = OPTIMIZERS[name]
     vocab_rows, width, num_unique = 1000, 24, 16

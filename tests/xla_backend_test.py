@@ -1,7 +1,9 @@
 """The `xla` backend (kernels/xla.py, tuned for XLA:CPU) equals the plain
 oracles of kernels/reference.py: bit for bit where the arithmetic is the
 same (gather, pool, the sparse update of every optimizer, the segment sums),
-to f32 rounding where the sums meet in another order (row norms)."""
+to f32 rounding where the sums meet in another order (row norms). A bf16
+table given as its uint16 bits (how a collection state holds it on this
+backend) gives the oracle's results on the bf16 table, bit for bit."""
 
 import test_util
 
@@ -18,6 +20,11 @@ from pallas_emb.kernels import reference
 from pallas_emb.kernels import xla
 
 DTYPES = (np.float32, test_util.BF16)
+
+
+def bits(table):
+  """A bf16 table as its uint16 bits."""
+  return jax.lax.bitcast_convert_type(table, jnp.uint16)
 
 
 class XlaBackendTest(parameterized.TestCase):
@@ -61,6 +68,41 @@ class XlaBackendTest(parameterized.TestCase):
     for got, want in zip(jax.tree.leaves(run(xla)),
                          jax.tree.leaves(run(reference))):
       test_util.assert_bits_equal(self, got, test_util.as_numpy(want))
+
+  def test_gather_and_pool_of_bf16_bits(self):
+    table, rows, weights, starts = pool_test.random_case(
+        np.random.default_rng(5), 41, 8, 23, 6, test_util.BF16)
+    for out_dtype in (None, jnp.float32):
+      pool = lambda t, d=out_dtype: xla.pool_rows(t, rows, weights, starts,
+                                                  max_len=6, out_dtype=d)
+      got = jax.jit(pool)(bits(table))
+      want = jax.jit(lambda t, d=out_dtype: reference.pool_rows(
+          t, rows, weights, starts, max_len=6, out_dtype=d))(table)
+      test_util.assert_bits_equal(self, got, test_util.as_numpy(want))
+    got = jax.jit(xla.gather_rows)(bits(table), rows)
+    want = jax.jit(reference.gather_rows)(table, rows)
+    test_util.assert_bits_equal(self, got, test_util.as_numpy(want))
+
+  @parameterized.product(name=tuple(optimizer_kernels_test.OPTIMIZERS))
+  def test_sparse_update_of_bf16_bits(self, name):
+    opt = optimizer_kernels_test.OPTIMIZERS[name]
+    width = 6
+    args = optimizer_kernels_test.inputs(opt, 3, width, test_util.BF16)
+    table, rows, elements, tokens, grad_accum, row_sq = map(
+        jax.tree.map, [jnp.asarray] * 6, args)
+
+    def run(impl, table):
+      step = jnp.int32(optimizer_kernels_test.STEP)
+      return jax.jit(lambda *a: impl.sparse_update(
+          opt, *a, True, step, opt.scalars(step),
+          emb_width=optimizer_kernels_test.RANKS * width))(
+              table, rows, elements, tokens, grad_accum, row_sq)
+
+    got, want = run(xla, bits(table)), run(reference, table)
+    self.assertEqual(got[0].dtype, jnp.uint16)
+    got = (jax.lax.bitcast_convert_type(got[0], jnp.bfloat16),) + got[1:]
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+      test_util.assert_bits_equal(self, a, test_util.as_numpy(b))
 
 
 if __name__ == "__main__":

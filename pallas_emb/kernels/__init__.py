@@ -60,17 +60,24 @@ class KernelConfig:
   quantized: QuantizedGatherConfig | None = None
 
 
-def _pallas(backend: str) -> bool:
-  """True for the Pallas backends."""
+def _pallas(backend: str, table=None) -> bool:
+  """True for the Pallas backends (whose kernels take no uint16 table)."""
   if backend not in BACKENDS:
     raise ValueError(f"pallas_emb backend={backend!r} is not one of "
                      f"{BACKENDS}.")
+  if (backend != "xla" and table is not None
+      and table.dtype == common.BF16_BITS):
+    raise TypeError(
+        f"pallas_emb backend={backend!r} got a uint16 table (a bf16 table's "
+        "bits, as a state of the xla backend holds it); the Pallas kernels "
+        "take bf16: move the state over through table_arrays / "
+        "state_from_arrays of a collection with this backend.")
   return backend != "xla"
 
 
 def gather_rows(table, ids, *, backend: str, config=None):
   """`[N, S]` rows of a `[V, S]` shard for `[N]` ids (wrapped, clamped)."""
-  if not _pallas(backend):
+  if not _pallas(backend, table):
     return xla.gather_rows(table, ids)
   from pallas_emb.kernels import gather  # pylint: disable=g-import-not-at-top
   return gather.gather_rows(table, ids, config=config,
@@ -103,7 +110,7 @@ def sparse_update_rows(rule, table, row_state, element_state,
   `rule` is the optimizer's `sparse_update.UpdateRule`; returns `(table,
   row_state, element_state)`, the states as tuples in the rule's order.
   """
-  if not _pallas(backend):
+  if not _pallas(backend, table):
     return xla.sparse_update(rule, table, row_state, element_state,
                                    unique_tokens, grad_accum, row_sq, apply,
                                    step, scalars, emb_width=emb_width)
@@ -123,7 +130,7 @@ def pool_rows(table, rows, weights, bag_starts, *, max_len: int,
   `max_len`); the result is rounded once to `out_dtype` (default: the
   table dtype; f32 keeps partial sums unrounded).
   """
-  if not _pallas(backend):
+  if not _pallas(backend, table):
     return xla.pool_rows(table, rows, weights, bag_starts,
                          max_len=max_len, out_dtype=out_dtype)
   from pallas_emb.kernels import pool  # pylint: disable=g-import-not-at-top

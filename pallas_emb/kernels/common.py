@@ -192,6 +192,33 @@ def store_offsets(offsets: jax.Array, mask: jax.Array, size: int,
 # --------------------------------------------------------------------------
 
 
+# A bf16 table in a collection state on the `xla` backend is held as its
+# uint16 bits (`placement.storage_dtype`): XLA:CPU scatters uint16 rows in
+# place, while a bf16 scatter (or a bitcast of the whole table) runs over
+# every row. The xla kernels take either; only gathered rows are bitcast.
+BF16_BITS = jnp.uint16
+
+
+def logical_dtype(dtype):
+  """The dtype a table of `dtype` holds: bf16 for its uint16 bits."""
+  return jnp.dtype(jnp.bfloat16 if jnp.dtype(dtype) == BF16_BITS else dtype)
+
+
+def logical_rows(rows: jax.Array) -> jax.Array:
+  """Rows (or a table) as their logical dtype: uint16 bits read as bf16."""
+  if rows.dtype != BF16_BITS:
+    return rows
+  return jax.lax.bitcast_convert_type(rows, jnp.bfloat16)
+
+
+def stored_rows(rows: jax.Array, storage_dtype) -> jax.Array:
+  """Rows (or a table) of their logical dtype as `storage_dtype`: bf16 as
+  its uint16 bits when that is the storage, else unchanged."""
+  if jnp.dtype(storage_dtype) != BF16_BITS or rows.dtype != jnp.bfloat16:
+    return rows
+  return jax.lax.bitcast_convert_type(rows, BF16_BITS)
+
+
 def round_to(x: jax.Array, dtype) -> jax.Array:
   """Rounds an f32 value to `dtype` (f32 or bf16) and back, as f32.
 
@@ -222,9 +249,9 @@ def check_update_args(rule, table, row_state, element_state, unique_tokens,
   """
   chex.assert_rank(table, 2)
   vocab_rows, width = table.shape
-  if table.dtype not in (jnp.float32, jnp.bfloat16):
-    raise TypeError(f"pallas_emb sparse_update expects an f32 or bf16 table, "
-                    f"got {table.dtype}.")
+  if table.dtype not in (jnp.float32, jnp.bfloat16, BF16_BITS):
+    raise TypeError(f"pallas_emb sparse_update expects an f32 or bf16 table "
+                    f"(or bf16 bits as uint16), got {table.dtype}.")
   for what, names, arrays in (("row", rule.row_slots, row_state),
                               ("element", rule.element_slots, element_state)):
     if len(arrays) != len(names):

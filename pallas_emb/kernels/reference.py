@@ -81,14 +81,14 @@ def touched_rows(rule, table, row_state, element_state, unique_tokens,
   rows = jnp.where(ok, tokens, 0)
   old = {name: a[rows] for name, a in zip(rule.row_slots + rule.element_slots,
                                           row_state + element_state)}
-  old["table"] = table[rows]
+  old["table"] = common.logical_rows(table[rows])
   new, coeffs = rule.row_update({n: old[n] for n in rule.row_slots}, row_sq,
                                 step, scalars, emb_width)
   new = dict(new)
   new["table"], new_element = rule.column_update(
       tuple(c[:, None] for c in coeffs), old["table"].astype(jnp.float32),
       grad_accum, {n: old[n] for n in rule.element_slots}, scalars,
-      table.dtype)
+      common.logical_dtype(table.dtype))
   new.update(new_element)
   return TouchedRows(ok, jnp.where(ok, tokens, vocab_rows), old, new)
 
@@ -122,15 +122,15 @@ def pool_rows(table, rows, weights, bag_starts, *, max_len: int,
   The same sums in the same order as the kernel (one entry position at a
   time; a masked lane adds 0), so the two agree bit for bit.
   """
-  out_dtype = out_dtype or table.dtype
+  out_dtype = out_dtype or common.logical_dtype(table.dtype)
   vocab_rows, width = table.shape
   num_bags = bag_starts.shape[0] - 1
   if num_bags == 0 or max_len == 0 or rows.shape[0] == 0:
     return jnp.zeros((num_bags, width), out_dtype)
   rows = common.wrap_and_clamp(rows, vocab_rows)
-  values = lambda entry: jnp.take(
+  values = lambda entry: common.logical_rows(jnp.take(
       table, jnp.take(rows, entry, mode="clip"), axis=0,
-      mode="clip").astype(jnp.float32)
+      mode="clip")).astype(jnp.float32)
   return _pool_entries(values, weights, bag_starts, width,
                        max_len).astype(out_dtype)
 

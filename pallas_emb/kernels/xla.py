@@ -3,10 +3,17 @@
 Same signatures and results as the oracles in `reference.py` (bit for bit
 where the arithmetic is the same; the row norms' sums meet in another
 order), written around what XLA:CPU does badly: a row reduce that cannot
-fuse its squares, a bf16 scatter rewritten as an f32 round trip of the whole
-table, a scatter whose values do not read the array it writes (then copied),
-a bf16 table converted whole inside a gather loop. `tests/xla_backend_test.py`
-holds each one equal to its oracle.
+fuse its squares, a bf16 table (scattered through an f32 round trip of the
+whole table, gathered through a convert of all of it), a scatter whose
+values do not read the array it writes (then copied).
+
+A bf16 table may come as its uint16 bits (`common.BF16_BITS`), which is how
+a collection state holds it on this backend (`placement.storage_dtype`):
+then only gathered rows are bitcast and the update scatters uint16 rows in
+place, so a bf16 step touches O(U * S) of the table as an f32 one does.
+A bf16 table passed as bf16 (the single-table API, the layers' params)
+still works, at the cost of table-sized passes on CPU.
+`tests/xla_backend_test.py` holds each one equal to its oracle.
 """
 
 from __future__ import annotations
@@ -19,9 +26,13 @@ from pallas_emb.kernels import common
 from pallas_emb.kernels import reference
 # The same as their oracles: nothing about them is slow on XLA:CPU.
 from pallas_emb.kernels.reference import gather_dequantized  # pylint: disable=unused-import
-from pallas_emb.kernels.reference import gather_rows  # pylint: disable=unused-import
 from pallas_emb.kernels.reference import pool_dequantized  # pylint: disable=unused-import
 from pallas_emb.kernels.reference import kept_segments
+
+
+def gather_rows(table, ids):
+  """`reference.gather_rows`; a uint16 table's rows come back as bf16."""
+  return common.logical_rows(reference.gather_rows(table, ids))
 
 
 def segment_sum_rows(grads: jax.Array, segment_ids: jax.Array,
@@ -49,13 +60,12 @@ def sparse_update(rule, table, row_state, element_state, unique_tokens,
   Every state scatter writes `where(ok, new, old)` of the gathered rows:
   the same values (skipped slots are dropped anyway), but the scatter then
   depends on the gather, which orders the gather first; otherwise XLA copies
-  an array whose new values do not read it (an int32 `last_step`). A bf16
-  table is scattered through a uint16 view: XLA:CPU would otherwise convert
-  the whole table to f32 and back for the scatter (an f32 temporary twice
-  the table's size). Known limit (jax 0.10): XLA:CPU still runs the two
-  same-width `bitcast-convert`s as loops over the table, so a bf16 step
-  costs two table-sized passes on CPU where an f32 table costs O(U * S);
-  GPU and the Pallas kernel are not affected.
+  an array whose new values do not read it (an int32 `last_step`). A
+  uint16 table (a bf16 table's bits) gets the new rows' bits, in place. A
+  bf16 table is scattered through a uint16 view: XLA:CPU would otherwise
+  convert the whole table to f32 and back for the scatter; it still runs
+  the view's two same-width `bitcast-convert`s as loops over the table
+  (jax 0.10), which is why a collection state holds bf16 as uint16.
   """
   touched = reference.touched_rows(
       rule, table, row_state, element_state, unique_tokens, grad_accum,
@@ -71,9 +81,10 @@ def sparse_update(rule, table, row_state, element_state, unique_tokens,
   row_state = tuple(scatter(a, n) for n, a in zip(rule.row_slots, row_state))
   element_state = tuple(scatter(a, n)
                         for n, a in zip(rule.element_slots, element_state))
-  new_rows = touched.new["table"].astype(table.dtype)
-  if table.dtype == jnp.float32:
-    table = table.at[dest].set(new_rows, mode="drop")
+  new_rows = touched.new["table"].astype(common.logical_dtype(table.dtype))
+  if table.dtype in (jnp.float32, common.BF16_BITS):
+    table = table.at[dest].set(common.stored_rows(new_rows, table.dtype),
+                               mode="drop")
   else:
     bits = jnp.dtype(f"uint{8 * table.dtype.itemsize}")
     table = jax.lax.bitcast_convert_type(
@@ -91,8 +102,10 @@ def pool_rows(table, rows, weights, bag_starts, *, max_len: int,
   loop that convert is shared and hoisted (a table-sized pass per step), so
   a non-f32 table's entry rows are gathered (and made f32, exactly) once,
   before the loop: an `[E, S]` f32 buffer. The same sums in the same order.
+  A uint16 table (bf16 bits) has no such convert: it is pooled as an f32
+  one, its gathered rows bitcast and converted.
   """
-  if table.dtype == jnp.float32:
+  if table.dtype in (jnp.float32, common.BF16_BITS):
     return reference.pool_rows(table, rows, weights, bag_starts,
                                max_len=max_len, out_dtype=out_dtype)
   out_dtype = out_dtype or table.dtype
