@@ -23,9 +23,17 @@ from pallas_emb.stack import StackRouting
 
 
 class StackState(NamedTuple):
-  """The physical array of one stack and its optimizer state."""
+  """The physical array of one stack and its optimizer state.
+
+  `slot_map`: the int32 `[total_rows]` map of a stack that dedups through
+  one (`StackPlan.slot_map`), every entry at `dedup.MAP_SENTINEL` between
+  steps, on every rank; None otherwise. Not saved nor shown: it follows
+  from the rows (`coll.init`, `state_from_arrays` and restores rebuild it;
+  a state without one gets a fresh one at its next route).
+  """
   table: jax.Array
   opt_state: Any
+  slot_map: jax.Array | None = None
 
 
 @functools.partial(jax.tree_util.register_dataclass,
@@ -99,6 +107,20 @@ def serving_layouts(plan) -> dict[str, np.ndarray]:
           for s in plan.stacks if s.placement in ("row", "table")}
 
 
+def move_slot_maps(state: CollectionState, routing: Routing
+                   ) -> tuple[CollectionState, Routing]:
+  """The routing's slot maps moved back into the state (what the pipelined
+  Trainer does right after a route: the next route reads them from the
+  state, and the routing it keeps in flight holds none)."""
+  stacks, routes = dict(state.stacks), dict(routing.stacks)
+  for name, r in routing.stacks.items():
+    if getattr(r, "slot_map", None) is not None:
+      stacks[name] = stacks[name]._replace(slot_map=r.slot_map)
+      routes[name] = r._replace(slot_map=None)
+  return (dataclasses.replace(state, stacks=stacks),
+          dataclasses.replace(routing, stacks=routes))
+
+
 def check_state(plan, state) -> None:
   """A training state of `plan`'s collection: its stacks, dtypes, shapes."""
   if isinstance(state, ServingState):
@@ -123,6 +145,20 @@ def check_state(plan, state) -> None:
           f"pallas_emb collection state {stack.name} table is "
           f"{np.dtype(table.dtype).name}{list(table.shape)}; the plan says "
           f"{stack.dtype.name}{list(shape)}.")
+    _check_slot_map(stack, state.stacks[stack.name].slot_map)
+
+
+def _check_slot_map(stack, slot_map) -> None:
+  if slot_map is None:
+    return
+  got = f"{np.dtype(slot_map.dtype).name}{list(slot_map.shape)}"
+  if not stack.slot_map or got != f"int32[{stack.total_rows}]":
+    want = (f"int32[{stack.total_rows}]" if stack.slot_map else
+            "None (this collection dedups it by a sort)")
+    raise InputError(
+        f"pallas_emb collection state {stack.name} slot_map is {got}; the "
+        f"plan says {want}. Pass the state this collection returned, or "
+        "rebuild it with coll.state_from_arrays.")
 
 
 def _check_stack_names(plan, stacks, what: str, fix: str) -> None:
