@@ -655,6 +655,30 @@ class ValidationTest(parameterized.TestCase):
     with self.assertRaisesRegex(pe.InputError, "expected pallas_emb.TableSpec"):
       self._coll(tables=[("t", 10, 8)])
 
+  def test_dedup_errors(self):
+    with self.assertRaisesRegex(pe.InputError, "dedup='hash' is not one of "
+                                "\\('sort', 'slot_map'\\)"):
+      self._coll(dedup="hash")
+    with self.assertRaisesRegex(pe.InputError, "dedup='slot_map' runs on the "
+                                "xla backend only, not backend='interpret'; "
+                                "pass backend='xla' or dedup='sort'"):
+      self._coll(dedup="slot_map", backend="interpret")
+    with self.assertRaisesRegex(pe.InputError, "plan dedup='x'"):
+      pe.plan([pe.TableSpec("t", 10, 8, optimizer=self.opt)],
+              [pe.FeatureSpec("f", "t")], self.mesh, table_axis="x",
+              batch_size=8, device_memory=2**30, dedup="x")
+    # A state of the sort twin has no map: its route makes a fresh one.
+    maps, sort = self._coll(dedup="slot_map", backend="xla"), self._coll()
+    batch, grads = {"f": np.arange(8, dtype=np.int32)}, {
+        "f": np.ones((8, 8), np.float32)}
+    state, _ = maps.apply_gradients(sort.init(jax.random.key(0)), batch,
+                                    grads)
+    self.assertEqual(state.stacks["stack0"].slot_map.shape, (10,))
+    with self.assertRaisesRegex(pe.InputError, "state stack0 slot_map is "
+                                "int32\\[10\\]; the plan says None \\(this "
+                                "collection dedups it by a sort\\)"):
+      sort.lookup(state, batch)
+
   def test_call_errors(self):
     coll = self._coll()
     state = coll.init(jax.random.key(0))
