@@ -47,7 +47,6 @@ from pallas_emb import stack as stack_lib
 from pallas_emb import state as state_lib
 from pallas_emb import update as update_lib
 from pallas_emb import validation
-from pallas_emb.dedup import empty_slot_map
 from pallas_emb.errors import InputError
 from pallas_emb.errors import UniqueOverflowError
 from pallas_emb.specs import FeatureSpec
@@ -78,12 +77,10 @@ class EmbeddingCollection:
       None: each kernel's shape heuristic). The Trainer and the layers use
       the collection's.
     dedup: how column and replicated stacks find a batch's unique rows:
-      "sort" (default) or "slot_map" (xla backend only: no sort, through
-      an int32 `[rows]` map per stack that the state carries, 4 bytes a
-      row on every rank, counted by `plan.describe()`; unique rows in
-      first-occurrence order, the same trained values; docs/
-      cpu_performance.md, "Dedup without a sort"). Row and table stacks
-      always sort.
+      "sort" (default) or "slot_map" (xla backend only; no sort, through an
+      int32 `[rows]` map per stack in the state, 4 bytes a row on every
+      rank; the same trained values; docs/cpu_performance.md, "Dedup
+      without a sort"). Row and table stacks always sort.
 
   Layout rules 1-3 and 5 (validation.py) are checked here; rule 4 (the batch
   shards evenly) at each call, naming the feature.
@@ -160,21 +157,13 @@ class EmbeddingCollection:
     return placement_lib.fresh_state(stack, self.mesh, self.table_axis)
 
   def _fresh_map(self, stack):
-    """A stack's empty slot map on every rank (None if it sorts)."""
-    if not stack.slot_map:
-      return None
-    return jax.jit(empty_slot_map, static_argnums=0, out_shardings=(
-        NamedSharding(self.mesh, P())))(stack.total_rows)
+    return state_lib.fresh_slot_map(stack, NamedSharding(self.mesh, P()))
 
   def _maps(self, state: CollectionState | None):
-    """Per stack: the slot map its route reads, placed (the state's; a
-    fresh one if the state has none); None for a stack that sorts."""
-    maps = tuple(
-        (state and state.stacks[s.name].slot_map) if s.slot_map else None
-        for s in self.plan.stacks)
-    maps = tuple(empty_slot_map(s.total_rows) if s.slot_map and m is None
-                 else m for s, m in zip(self.plan.stacks, maps))
-    return exchange.place_state(maps, self._map_specs(), self.mesh,
+    """Per stack: the slot map its route reads, placed (the state's, else
+    a fresh one); None for a stack that sorts."""
+    return exchange.place_state(state_lib.route_maps(self.plan, state),
+                                self._map_specs(), self.mesh,
                                 "state slot map")
 
   def _map_specs(self):
@@ -510,13 +499,14 @@ class EmbeddingCollection:
     maps = [routing.stacks[s.name].slot_map if s.slot_map and
             routing.stacks[s.name].slot_map is not None else
             state.stacks[s.name].slot_map for s in self.plan.stacks]
-    specs = _without_maps(self._state_specs().stacks[s.name]
-                          for s in self.plan.stacks)
-    routing_specs = _without_maps(self._routing_specs())
+    without = state_lib.without_slot_maps
+    specs = without(self._state_specs().stacks[s.name]
+                    for s in self.plan.stacks)
+    routing_specs = without(self._routing_specs())
     fn = functools.partial(per_rank.apply_per_rank, self.backend,
                            self.kernel_config, tuple(self.features), layouts)
-    stack_states = _without_maps(self._stack_states(state))
-    routings = _without_maps(exchange.place_state(
+    stack_states = without(self._stack_states(state))
+    routings = without(exchange.place_state(
         tuple(routing.stacks[s.name] for s in self.plan.stacks),
         self._routing_specs(), self.mesh, "routing"))
     new_states, stats = exchange.shard(
@@ -629,9 +619,3 @@ class EmbeddingCollection:
             f"{' and their rows were served as zeros' if owners else ''}. "
             f"Raise or drop {field} of these tables (fit_{field} with more "
             "headroom).")
-
-
-def _without_maps(parts) -> tuple:
-  """Stack states or routings (or their specs) without their slot maps."""
-  return tuple(p._replace(slot_map=None) if hasattr(p, "slot_map") else p
-               for p in parts)

@@ -17,6 +17,7 @@ import jax
 import numpy as np
 
 from pallas_emb import quantize
+from pallas_emb.dedup import empty_slot_map
 from pallas_emb.errors import InputError
 from pallas_emb.quantize import QuantizedRows
 from pallas_emb.stack import StackRouting
@@ -105,6 +106,31 @@ def serving_layouts(plan) -> dict[str, np.ndarray]:
   """
   return {f"{s.name}_ranks{s.ranks}": np.asarray(s.ranks, np.int32)
           for s in plan.stacks if s.placement in ("row", "table")}
+
+
+def fresh_slot_map(stack, sharding):
+  """A stack's empty slot map, placed (None for a stack that sorts)."""
+  if not stack.slot_map:
+    return None
+  return jax.jit(empty_slot_map, static_argnums=0,
+                 out_shardings=sharding)(stack.total_rows)
+
+
+def route_maps(plan, state: CollectionState | None) -> tuple:
+  """Per stack of `plan`: the slot map its route reads (the state's; an
+  empty one if the state has none), None for a stack that sorts."""
+  maps = []
+  for s in plan.stacks:
+    m = state.stacks[s.name].slot_map if state is not None else None
+    maps.append(None if not s.slot_map else
+                empty_slot_map(s.total_rows) if m is None else m)
+  return tuple(maps)
+
+
+def without_slot_maps(parts) -> tuple:
+  """Stack states or routings (or their specs) without their slot maps."""
+  return tuple(p._replace(slot_map=None) if hasattr(p, "slot_map") else p
+               for p in parts)
 
 
 def move_slot_maps(state: CollectionState, routing: Routing
