@@ -162,6 +162,8 @@ class EmbeddingCollection:
   def _maps(self, state: CollectionState | None):
     """Per stack: the slot map its route reads, placed (the state's, else
     a fresh one); None for a stack that sorts."""
+    if state is not None:
+      state_lib.check_state(self.plan, state)
     return exchange.place_state(state_lib.route_maps(self.plan, state),
                                 self._map_specs(), self.mesh,
                                 "state slot map")
