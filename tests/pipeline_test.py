@@ -101,7 +101,9 @@ class PipelineTest(parameterized.TestCase):
 
   def test_slot_maps_train_as_the_sort(self):
     """dedup="slot_map": the pipelined step equals the late loop of the same
-    collection with the sort, the synchronous step the sort's, bit for bit."""
+    collection with the sort, bit for bit. (The synchronous step's routing
+    carries the maps to the update: placements_test's replica_axis case
+    with slot maps checks that flow against the model.)"""
     dense_opt = optax.adam(1e-2)
     coll, state0, params, batches = make_setup(True, np.float32, ranks=2,
                                                backend="xla",
@@ -110,17 +112,6 @@ class PipelineTest(parameterized.TestCase):
                                          backend="xla")
     self._check_late_loop(coll, state0, params, batches, dense_opt,
                           reference=(sort, sort_state0))
-    states = []
-    for c, s0 in ((coll, state0), (sort, sort_state0)):
-      trainer = pipeline.Trainer(c, loss_fn, dense_opt, pipelined=False)
-      state = trainer.init(copies(s0), copies(params))
-      step = jax.jit(trainer.step, donate_argnums=0)
-      for batch in batches:
-        state, _ = step(state, batch)
-      states.append((c.table_arrays(state.embedding),
-                     c.optimizer_arrays(state.embedding)))
-    jax.tree.map(lambda a, b: test_util.assert_bits_equal(
-        self, a, test_util.as_numpy(b)), *states)
 
   def _check_late_loop(self, coll, state0, params, batches, dense_opt,
                        reference=None):
