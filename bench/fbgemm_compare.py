@@ -24,7 +24,10 @@ on a 1-device mesh, backend "xla", `RowwiseAdagrad(lr, eps=eps)`; per
 (`combiner="sum"` on ids `[B, L]`) and `pooled_fit` (the same, with the
 collection's unique buffer fit to the workload's ids by
 `coll.fit_max_unique([batch], headroom=--fit_headroom)` instead of sized
-for every id distinct). One jitted step, the state donated:
+for every id distinct); a case name ending in `_map` (`sequence_map`,
+`pooled_map`, `pooled_fit_map`) runs the same with
+`EmbeddingCollection(dedup="slot_map")`, the sort-free dedup, so one run
+can time both dedups. One jitted step, the state donated:
 
     emb, routing = coll.lookup_and_route(state, {"f": ids})
     loss, g = jax.value_and_grad(lambda e: sum(e["f"] * cotangent))(emb)
@@ -97,7 +100,8 @@ _PALLAS_CASES = flags.DEFINE_list(
     "pallas_cases", ["sequence", "pooled", "pooled_fit"],
     "pallas_emb features (bags > 1 run the pooled ones); `_fit`: the "
     "collection's max_unique fit to the workload's ids "
-    "(`EmbeddingCollection.fit_max_unique`, --fit_headroom).")
+    "(`EmbeddingCollection.fit_max_unique`, --fit_headroom); a `_map` "
+    "suffix (e.g. pooled_fit_map): dedup='slot_map' instead of the sort.")
 _FIT_HEADROOM = flags.DEFINE_float(
     "fit_headroom", 1.25, "Headroom of the `_fit` cases' max_unique.")
 FBGEMM_ENV = "PALLAS_EMB_FBGEMM_PYTHON"
@@ -259,8 +263,9 @@ def run_pallas(work: dict, arrays: dict, directory: str, dtype_name: str,
                                   eps=float(arrays["eps"])))
   feature = pe.FeatureSpec(
       "f", "t", combiner=None if feature_kind == "sequence" else "sum")
-  coll = pe.EmbeddingCollection([table_spec], [feature], mesh, "x",
-                                backend="xla")
+  coll = pe.EmbeddingCollection(
+      [table_spec], [feature], mesh, "x", backend="xla",
+      dedup="slot_map" if kind.endswith("_map") else "sort")
   init = np.load(os.path.join(directory, "table.npy"), mmap_mode="r")
   table = jax.jit(lambda x: x.astype(dtype))(init)
   state = coll.state_from_arrays({"t": table})
@@ -269,7 +274,7 @@ def run_pallas(work: dict, arrays: dict, directory: str, dtype_name: str,
   if feature_kind == "pooled" and ids.ndim == 1:
     ids = ids[:, None]
   ids = jax.device_put(ids)
-  if kind.endswith("_fit"):
+  if base_case(kind, fit=False).endswith("_fit"):
     coll = coll.fit_max_unique([{"f": ids}], headroom=_FIT_HEADROOM.value)
   cotangent = jax.device_put(arrays["cotangent"])
   compiled = pallas_step(coll, jax, jnp).lower(state, ids,
@@ -489,9 +494,11 @@ def compare(a: dict, b: dict) -> dict:
                                    b["untouched_rows_moved"]]}
 
 
-def base_case(case: str) -> str:
-  """'pooled_fit' -> 'pooled': the feature a pallas_emb case runs."""
-  return case.removesuffix("_fit")
+def base_case(case: str, fit: bool = True) -> str:
+  """'pooled_fit_map' -> 'pooled': the feature a pallas_emb case runs
+  ('pooled_fit' with fit=False)."""
+  case = case.removesuffix("_map")
+  return case.removesuffix("_fit") if fit else case
 
 
 def _label(r: dict) -> str:

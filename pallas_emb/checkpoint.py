@@ -36,7 +36,9 @@ checkpoint written before checksums existed restores unverified, with a
 logged warning. `save` deletes stale `*.orbax-checkpoint-tmp*` directories
 in `directory` (left by a crash mid-save; never a complete step) before
 writing, and refuses leaves a checkpoint cannot hold (strings, objects)
-before writing anything.
+before writing anything. A `StackState`'s slot map (dedup="slot_map", all
+sentinel between steps) is not saved; `restore` makes a fresh one wherever
+the target has one.
 
 Multi-process (`jax.distributed`): every process must call `save` and
 `restore` with the same arguments, on a directory all processes can see
@@ -55,10 +57,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_emb import quantize
+from pallas_emb.dedup import empty_slot_map
 from pallas_emb.checksums import bit_width
 from pallas_emb.checksums import checksums
 from pallas_emb.errors import CheckpointError
 from pallas_emb.state import ServingState
+from pallas_emb.state import StackState
 from pallas_emb.state import serving_layouts
 
 # Orbax's commit marker (written last in both of its atomicity modes).
@@ -189,7 +193,7 @@ def save(directory, state, *, step: int) -> None:
   root = _dir(directory)
   path = root / str(step)
   # Checked before anything touches the directory.
-  flat, treedef = jax.tree_util.tree_flatten_with_path(state)
+  flat, treedef = jax.tree_util.tree_flatten_with_path(_no_slot_maps(state))
   leaves = [_savable(_key(p), v) for p, v in flat]
   if path.exists():
     raise CheckpointError(
@@ -211,6 +215,28 @@ def save(directory, state, *, step: int) -> None:
         f"pallas_emb checkpoint {path} could not be written ({_reason(e)}); "
         "make sure the directory is writable and has room, then save "
         "again.") from e
+
+
+def _no_slot_maps(tree):
+  """`tree` with every StackState's slot map dropped (it follows from the
+  rows: all sentinel between steps)."""
+  is_stack = lambda x: isinstance(x, StackState)
+  return jax.tree.map(lambda x: x._replace(slot_map=None) if is_stack(x)
+                      else x, tree, is_leaf=is_stack)
+
+
+def _fresh_slot_maps(target, tree):
+  """`tree` (restored onto `_no_slot_maps(target)`) with a fresh slot map
+  wherever `target` has one, placed as the target's."""
+  def one(want, got):
+    if not isinstance(want, StackState) or want.slot_map is None:
+      return got
+    m = want.slot_map
+    return got._replace(slot_map=jax.jit(
+        empty_slot_map, static_argnums=0,
+        out_shardings=getattr(m, "sharding", None))(m.shape[0]))
+  return jax.tree.map(one, target, tree,
+                      is_leaf=lambda x: isinstance(x, StackState))
 
 
 def _key(path) -> str:
@@ -367,6 +393,7 @@ def restore(directory, target, *, step: int | None = None):
   ocp, _ = _orbax()
   root, step = _resolve_step(directory, step)
   path = root / str(step)
+  full_target, target = target, _no_slot_maps(target)
 
   with ocp.StandardCheckpointer() as ckptr:
     meta = _metadata(ckptr, path)
@@ -398,9 +425,9 @@ def restore(directory, target, *, step: int | None = None):
       what = f"array {name!r}" if name else "an array"
       raise _damaged(path, f"{what} cannot be read ({_reason(e)})") from e
   if not checked:
-    return tree
+    return _fresh_slot_maps(full_target, tree)
   _verify(path, tree[_STATE], tree[_SUMS], saved)
-  return tree[_STATE]
+  return _fresh_slot_maps(full_target, tree[_STATE])
 
 
 # --- collections: logical tables --------------------------------------------

@@ -76,6 +76,11 @@ class EmbeddingCollection:
     kernel_config: tile sizes of the Pallas kernels (`kernels.KernelConfig`;
       None: each kernel's shape heuristic). The Trainer and the layers use
       the collection's.
+    dedup: how column and replicated stacks find a batch's unique rows:
+      "sort" (default) or "slot_map" (xla backend only; no sort, through an
+      int32 `[rows]` map per stack in the state, 4 bytes a row on every
+      rank; the same trained values; docs/cpu_performance.md, "Dedup
+      without a sort"). Row and table stacks always sort.
 
   Layout rules 1-3 and 5 (validation.py) are checked here; rule 4 (the batch
   shards evenly) at each call, naming the feature.
@@ -87,7 +92,8 @@ class EmbeddingCollection:
                data_axis: str | Sequence[str] | None = None,
                replica_axis: str | Sequence[str] = (),
                backend: str | None = None,
-               kernel_config: kernels.KernelConfig | None = None):
+               kernel_config: kernels.KernelConfig | None = None,
+               dedup: str = "sort"):
     tables, features = tuple(tables), tuple(features)
     self.table_axis, self.data_axis, self.replica_axis = (
         validation.check_layout(mesh, table_axis, data_axis, replica_axis,
@@ -96,6 +102,8 @@ class EmbeddingCollection:
     self.group_size = validation.axes_size(mesh, self.table_axis)
     self.num_replicas = validation.axes_size(mesh, self.replica_axis)
     self.backend = validation.resolve_backend(mesh, backend)
+    self.dedup = validation.check_dedup(dedup, self.backend,
+                                        "EmbeddingCollection")
     if kernel_config is not None and not isinstance(kernel_config,
                                                     kernels.KernelConfig):
       raise InputError(
@@ -110,7 +118,8 @@ class EmbeddingCollection:
                                       f"table {table.name!r}")
     self.tables = {t.name: t for t in tables}
     self.features = {f.name: f for f in features}
-    self.plan = plan_lib.stack_tables(tables, features, self.group_size)
+    self.plan = plan_lib.stack_tables(tables, features, self.group_size,
+                                      dedup=self.dedup)
     self._layouts_cache = {}
 
   # --- layout ---------------------------------------------------------------
@@ -139,12 +148,28 @@ class EmbeddingCollection:
   def _state_specs(self) -> CollectionState:
     return CollectionState({
         s.name: StackState(placement_lib.table_spec(s, self.table_axis),
-                           placement_lib.state_specs(s, self.table_axis))
+                           placement_lib.state_specs(s, self.table_axis),
+                           P() if s.slot_map else None)
         for s in self.plan.stacks})
 
   def _fresh_opt_state(self, stack):
     """A stack's initial optimizer state (None for a looked-up-only one)."""
     return placement_lib.fresh_state(stack, self.mesh, self.table_axis)
+
+  def _fresh_map(self, stack):
+    return state_lib.fresh_slot_map(stack, NamedSharding(self.mesh, P()))
+
+  def _maps(self, state: CollectionState | None):
+    """Per stack: the slot map its route reads, placed (the state's, else
+    a fresh one); None for a stack that sorts."""
+    if state is not None:
+      self._check_state(state)
+    return exchange.place_state(state_lib.route_maps(self.plan, state),
+                                self._map_specs(), self.mesh,
+                                "state slot map")
+
+  def _map_specs(self):
+    return tuple(P() if s.slot_map else None for s in self.plan.stacks)
 
   # --- state ----------------------------------------------------------------
 
@@ -183,7 +208,7 @@ class EmbeddingCollection:
           f"exactly the stacks {sorted(stacks)} of coll.plan.")
     return CollectionState({
         name: StackState(self._stored(stack, tables[name]),
-                         self._fresh_opt_state(stack))
+                         self._fresh_opt_state(stack), self._fresh_map(stack))
         for name, stack in stacks.items()}, self.plan.fingerprint)
 
   def _stored(self, stack, table):
@@ -233,7 +258,8 @@ class EmbeddingCollection:
         opt_state = placement_lib.jitted(
             placement_lib.state_to_physical, stack, shardings)(
                 [opt_states[n] for n in stack.tables])
-      stacks[stack.name] = StackState(self._stored(stack, table), opt_state)
+      stacks[stack.name] = StackState(self._stored(stack, table), opt_state,
+                                      self._fresh_map(stack))
     return CollectionState(stacks, self.plan.fingerprint)
 
   def table_arrays(self, state: CollectionState) -> dict[str, jax.Array]:
@@ -393,7 +419,9 @@ class EmbeddingCollection:
   def lookup_and_route(self, state: CollectionState, batch
                        ) -> tuple[dict[str, jax.Array], Routing]:
     """The embeddings and the routing their update needs, from one all-gather
-    of the ids per stack (what the `Trainer` calls)."""
+    of the ids per stack (what the `Trainer` calls). With dedup="slot_map"
+    the routing carries the state's slot maps on to `apply_gradients`,
+    which puts them back into the state (donated: no copy)."""
     inputs = self._read(batch)
     layouts = self._layouts(inputs.shapes(), inputs.implicit)
     fn = functools.partial(per_rank.lookup_per_rank, self.backend,
@@ -402,22 +430,25 @@ class EmbeddingCollection:
     outs, routings = exchange.shard(
         layouts[0].ctx, fn,
         in_specs=(self._table_specs(), self._feature_specs(),
-                  self._pooled_specs()),
+                  self._pooled_specs(), self._map_specs()),
         out_specs=(self._feature_specs(), self._routing_specs()),
     )(self._tables(state), self._placed(inputs.ids),
-      self._placed_weights(inputs.weights))
+      self._placed_weights(inputs.weights), self._maps(state))
     return dict(zip(self.features, outs)), self._routing(routings, inputs)
 
-  def route(self, batch) -> Routing:
-    """The routing of a batch alone (its ids' all-gather and dedup)."""
+  def route(self, batch, state: CollectionState | None = None) -> Routing:
+    """The routing of a batch alone (its ids' all-gather and dedup); with
+    dedup="slot_map" through the slot maps of `state` (None: fresh ones)."""
     inputs = self._read(batch)
     layouts = self._layouts(inputs.shapes(), inputs.implicit)
     fn = functools.partial(per_rank.route_per_rank, self._order(), layouts)
     routings = exchange.shard(
         layouts[0].ctx, fn,
-        in_specs=(self._feature_specs(), self._pooled_specs()),
+        in_specs=(self._feature_specs(), self._pooled_specs(),
+                  self._map_specs()),
         out_specs=self._routing_specs())(
-            self._placed(inputs.ids), self._placed_weights(inputs.weights))
+            self._placed(inputs.ids), self._placed_weights(inputs.weights),
+            self._maps(state))
     return self._routing(routings, inputs)
 
   def _routing(self, routings, inputs: inputs_lib.BatchInputs) -> Routing:
@@ -448,7 +479,8 @@ class EmbeddingCollection:
     return tuple(
         row_lib.RowRouting(tokens, tokens, tokens, tokens, tokens, P(), P())
         if s.placement in ("row", "table") else
-        stack_lib.StackRouting(P(), tokens, tokens, P(), P())
+        stack_lib.StackRouting(P(), tokens, tokens, P(), P(),
+                               P() if s.slot_map else None)
         for s in self.plan.stacks)
 
   # --- update ---------------------------------------------------------------
@@ -471,26 +503,34 @@ class EmbeddingCollection:
     """
     self._check_state(state)
     routing = (batch_or_routing if isinstance(batch_or_routing, Routing)
-               else self.route(batch_or_routing))
+               else self.route(batch_or_routing, state))
     state_lib.check_routing(self.plan, self.features, routing)
     layouts = self._layouts(routing.shapes, routing.implicit_weights)
     grads = inputs_lib.read_grads(self, emb_grads, dict(routing.shapes))
-    specs = self._state_specs()
+    # The slot maps bypass the update: a routing's (reset by its route)
+    # goes back into the state, else the state's stays.
+    maps = [routing.stacks[s.name].slot_map if s.slot_map and
+            routing.stacks[s.name].slot_map is not None else
+            state.stacks[s.name].slot_map for s in self.plan.stacks]
+    without = state_lib.without_slot_maps
+    specs = without(self._state_specs().stacks[s.name]
+                    for s in self.plan.stacks)
+    routing_specs = without(self._routing_specs())
     fn = functools.partial(per_rank.apply_per_rank, self.backend,
                            self.kernel_config, tuple(self.features), layouts)
-    stack_states = self._stack_states(state)
-    routings = exchange.place_state(
+    stack_states = without(self._stack_states(state))
+    routings = without(exchange.place_state(
         tuple(routing.stacks[s.name] for s in self.plan.stacks),
-        self._routing_specs(), self.mesh, "routing")
+        self._routing_specs(), self.mesh, "routing"))
     new_states, stats = exchange.shard(
         layouts[0].ctx, fn,
-        in_specs=(tuple(specs.stacks[s.name] for s in self.plan.stacks),
-                  self._routing_specs(), self._feature_specs(), P()),
-        out_specs=(tuple(specs.stacks[s.name] for s in self.plan.stacks),
+        in_specs=(specs, routing_specs, self._feature_specs(), P()),
+        out_specs=(specs,
                    tuple(update_lib.UPDATE_STATS_SPEC for _ in self.plan.stacks)),
     )(stack_states, routings, self._placed(grads),
       jnp.asarray(pending, bool))
     names = [s.name for s in self.plan.stacks]
+    new_states = [s._replace(slot_map=m) for s, m in zip(new_states, maps)]
     return (CollectionState(dict(zip(names, new_states)),
                             self.plan.fingerprint), dict(zip(names, stats)))
 
@@ -569,7 +609,8 @@ class EmbeddingCollection:
     return type(self)(
         tables, tuple(self.features.values()), self.mesh, self.table_axis,
         data_axis=self.data_axis, replica_axis=self.replica_axis,
-        backend=self.backend, kernel_config=self.kernel_config)
+        backend=self.backend, kernel_config=self.kernel_config,
+        dedup=self.dedup)
 
   def raise_if_overflow(self, stats: Mapping[str, update_lib.UpdateStats]
                         ) -> None:

@@ -10,8 +10,9 @@ its `max_unique` never takes another table's slots.
 key's first position in a persistent int32 `[rows]` map (a scatter-min),
 so its unique rows come in first-occurrence order (or sorted afterwards,
 a sort of the unique slots only). Measured on XLA:CPU only
-(docs/cpu_performance.md, "Dedup without a sort"); nothing calls it yet:
-that section says what wiring it into a collection's state needs.
+(docs/cpu_performance.md, "Dedup without a sort"); a collection's column
+and replicated stacks run it with `dedup="slot_map"` (their maps live in
+the state, `StackState.slot_map`).
 """
 
 from __future__ import annotations

@@ -43,13 +43,16 @@ def per_stack(coll_order, layouts, all_ids, all_weights):
 
 
 def lookup_per_rank(backend, kernel_config, coll_order, layouts, tables,
-                     all_ids, all_weights, route):
-  """Embeddings of every feature (collection order) [+ each stack's routing]."""
+                     all_ids, all_weights, maps=None, *, route):
+  """Embeddings of every feature (collection order) [+ each stack's routing,
+  deduped through its slot map where `maps` (per stack) has one]."""
   outs, routings = {}, []
-  for (layout, ids, weights), table in zip(
-      per_stack(coll_order, layouts, all_ids, all_weights), tables):
+  for (layout, ids, weights), table, slot_map in zip(
+      per_stack(coll_order, layouts, all_ids, all_weights), tables,
+      maps or (None,) * len(layouts)):
     embs = dataflow(layout).lookup_stack(layout, backend, table, ids, weights,
-                                         kernel_config, with_routing=route)
+                                         kernel_config, with_routing=route,
+                                         **_map_arg(slot_map))
     if route:
       embs, routing = embs
       routings.append(routing)
@@ -58,11 +61,16 @@ def lookup_per_rank(backend, kernel_config, coll_order, layouts, tables,
   return (embeddings, tuple(routings)) if route else embeddings
 
 
-def route_per_rank(coll_order, layouts, all_ids, all_weights):
+def route_per_rank(coll_order, layouts, all_ids, all_weights, maps):
   return tuple(
-      dataflow(layout).route_stack(layout, ids, weights)
-      for layout, ids, weights in per_stack(coll_order, layouts, all_ids,
-                                           all_weights))
+      dataflow(layout).route_stack(layout, ids, weights, **_map_arg(slot_map))
+      for (layout, ids, weights), slot_map in zip(
+          per_stack(coll_order, layouts, all_ids, all_weights), maps))
+
+
+def _map_arg(slot_map):
+  """The slot map keyword of a column or replicated stack that has one."""
+  return {} if slot_map is None else {"slot_map": slot_map}
 
 
 def _by_stack(order, layouts, values):

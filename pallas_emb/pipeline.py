@@ -26,6 +26,7 @@ from pallas_emb import exchange
 from pallas_emb.state import CollectionState
 from pallas_emb.collection import EmbeddingCollection
 from pallas_emb.state import Routing
+from pallas_emb.state import move_slot_maps
 from pallas_emb.errors import PipelineMisuse
 
 LossFn = Callable[[Any, Mapping[str, jax.Array], Mapping[str, Any]],
@@ -128,8 +129,10 @@ class Trainer:
       raise PipelineMisuse(
           "pallas_emb pipelined Trainer.init needs first_batch: the first "
           "lookup is issued at init so step 0 has embeddings to consume.")
-    prefetched = Prefetched(*jax.jit(self.collection.lookup_and_route)(
-        embedding, first_batch))
+    embeddings, routing = jax.jit(self.collection.lookup_and_route)(
+        embedding, first_batch)
+    embedding, routing = move_slot_maps(embedding, routing)
+    prefetched = Prefetched(embeddings, routing)
     # The first update is a no-op: zero gradients, pending False. Its routing
     # is a copy: a donated pytree must not hold one buffer twice.
     staged = Staged(jax.tree.map(jnp.zeros_like, prefetched.embeddings),
@@ -164,8 +167,11 @@ class Trainer:
         state.dense_params, state.dense_opt_state,
         state.prefetched.embeddings, batch)
     # (b) the lookup of batch t+1 reads the updated tables; it depends on
-    # nothing of the backward, so it overlaps it.
-    prefetched = Prefetched(*coll.lookup_and_route(embedding, next_batch))
+    # nothing of the backward, so it overlaps it. Its slot maps (if any) go
+    # straight back into the state: the routings in flight hold none.
+    embeddings, routing = coll.lookup_and_route(embedding, next_batch)
+    embedding, routing = move_slot_maps(embedding, routing)
+    prefetched = Prefetched(embeddings, routing)
     # (c) stage batch t's gradients for step t+1, laid out like the
     # embeddings (else XLA may pick another layout and step 2 recompiles).
     emb_grads = {k: exchange.place(g, coll.token_sharding())

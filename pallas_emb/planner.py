@@ -156,8 +156,10 @@ class PlanReport:
 class _Model:
   """The cost of placements of the tables, per rank and step."""
 
-  def __init__(self, tables, features, ranks, batch_size, stats):
+  def __init__(self, tables, features, ranks, batch_size, stats,
+               dedup="sort"):
     self.tables, self.features, self.ranks = tables, features, ranks
+    self.dedup = dedup
     self._alone = {}
     self.entries, self.rows_out, self.grad_rows = {}, {}, {}
     for t in tables:
@@ -206,7 +208,7 @@ class _Model:
     """The stacks the collection would build (int32 row ids unchecked:
     `fits` says whether they address every stack)."""
     return stack_tables(tables, self.features, self.ranks,
-                        max_rows=None).stacks
+                        max_rows=None, dedup=self.dedup).stacks
 
   def memory(self, tables) -> int:
     """Exact bytes of tables and optimizer state on every rank."""
@@ -259,7 +261,8 @@ class _Model:
     feats = [f for f in self.features if f.table == table.name]
     ranks = 1 if placement == "table" else self.ranks
     mem = sum(sum(s.rank_bytes()) for s in
-              stack_tables([t], feats, ranks, max_rows=None).stacks)
+              stack_tables([t], feats, ranks, max_rows=None,
+                           dedup=self.dedup).stacks)
     self._alone[table.name, placement] = mem, int(round(self.sent([t])))
     return self._alone[table.name, placement]
 
@@ -328,7 +331,7 @@ def plan(tables: Sequence[TableSpec], features: Sequence[FeatureSpec],
          mesh: jax.sharding.Mesh, *, table_axis, batch_size: int,
          device_memory: int | None = None,
          stats: Mapping[str, FeatureStats] | None = None,
-         reserve: int | None = None
+         reserve: int | None = None, dedup: str = "sort"
          ) -> tuple[list[TableSpec], PlanReport]:
   """Chooses every table's placement (and rank) under a memory budget.
 
@@ -343,6 +346,8 @@ def plan(tables: Sequence[TableSpec], features: Sequence[FeatureSpec],
       reads one id per example.
     reserve: bytes per device kept for the dense model and step buffers
       (None: a fifth of device_memory).
+    dedup: the collection's `dedup` ("slot_map": column and replicated
+      tables count their stack's slot map, 4 bytes a row on every rank).
 
   Returns:
     `(tables with placements, PlanReport)`.
@@ -371,7 +376,8 @@ def plan(tables: Sequence[TableSpec], features: Sequence[FeatureSpec],
         "need, less than the device's memory.")
   budget = device_memory - reserve
   _check_stats(stats or {}, features)
-  model = _Model(tables, features, ranks, batch_size, dict(stats or {}))
+  model = _Model(tables, features, ranks, batch_size, dict(stats or {}),
+                 validation.check_dedup(dedup, None, "plan"))
 
   # Column needs the width to divide; a table whose W blocks of its rows
   # (table placement pads every rank to it) exceed int32 ids is not placed
@@ -455,15 +461,18 @@ class PlanCost:
 
 def plan_cost(tables: Sequence[TableSpec], features: Sequence[FeatureSpec],
               ranks: int, *, batch_size: int,
-              stats: Mapping[str, FeatureStats] | None = None) -> PlanCost:
+              stats: Mapping[str, FeatureStats] | None = None,
+              dedup: str = "sort") -> PlanCost:
   """Scores the tables' placements (and ranks) as given, e.g. a plan made
-  by hand or by another planner, with the model `plan` minimizes."""
+  by hand or by another planner, with the model `plan` minimizes (`dedup`:
+  the collection's, as `plan`'s)."""
   tables, features = tuple(tables), tuple(features)
   check_specs(tables, features)
   validation.check_positive("plan_cost ranks", ranks)
   validation.check_positive("plan_cost batch_size", batch_size)
   _check_stats(stats or {}, features)
-  model = _Model(tables, features, ranks, batch_size, dict(stats or {}))
+  model = _Model(tables, features, ranks, batch_size, dict(stats or {}),
+                 validation.check_dedup(dedup, None, "plan_cost"))
   homes = model.homes(tables)
   shards = [0] * ranks
   for t in tables:

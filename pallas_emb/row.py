@@ -139,7 +139,7 @@ def _owner_routing(layout: StackLayout, received: jax.Array):
   same update)."""
   ctx = layout.ctx
   trains = (received >= 0) & (received != FILL_VALUE)
-  unique, segments, distinct, _ = stack.dedup_over_replicas(
+  unique, segments, distinct, _, _ = stack.dedup_over_replicas(
       ctx, jnp.where(trains, received, FILL_VALUE),
       received.shape[0] * ctx.num_replicas)
   return unique, segments, _psum(ctx, distinct)

@@ -25,6 +25,7 @@ from pallas_emb import ordering
 from pallas_emb import update as update_lib
 from pallas_emb.dedup import FILL_VALUE
 from pallas_emb.dedup import unique_and_segments
+from pallas_emb.dedup import unique_by_slot_map
 from pallas_emb.errors import InputError
 from pallas_emb.kernels import common
 from pallas_emb.layout import FeatureLayout
@@ -38,18 +39,21 @@ class StackRouting(NamedTuple):
   """How one batch's ids of a stack map onto unique rows.
 
   unique_tokens: int32 `[U]` sorted unique stacked rows, FILL_VALUE padded;
-    replicated.
+    replicated (first-occurrence order when routed through a slot map).
   segments: int32, per rank `[W * E]`: the unique slot of every entry of the
     communicator (the all-gathered order), -1 for none.
   weights: f32, per rank `[W * pooled entries]`: the combiner weight of
     every pooled entry of the communicator (empty without pooled features).
   num_distinct, num_overflow: int32 scalars (see `dedup`).
+  slot_map: the stack's slot map after this route (all MAP_SENTINEL again),
+    replicated, on its way back into the state; None for the sort dedup.
   """
   unique_tokens: jax.Array
   segments: jax.Array
   weights: jax.Array
   num_distinct: jax.Array
   num_overflow: jax.Array
+  slot_map: jax.Array | None = None
 
 
 # --- keys and weights ------------------------------------------------------------
@@ -151,7 +155,7 @@ def serve(layout: StackLayout, backend: str, table, keys_all, weights_all,
 
 
 def serve_and_route(layout: StackLayout, backend: str, table, keys_all,
-                    weights_all, kernel_config=None
+                    weights_all, kernel_config=None, slot_map=None
                     ) -> tuple[list[jax.Array], StackRouting]:
   """`serve` and `route` of one batch, the routing ordered after the gather.
 
@@ -162,7 +166,7 @@ def serve_and_route(layout: StackLayout, backend: str, table, keys_all,
   """
   served = gather_served(layout, backend, table, keys_all, weights_all,
                          kernel_config)
-  routing = route(layout, keys_all, weights_all)
+  routing = route(layout, keys_all, weights_all, slot_map)
   return exchange_served(layout, served), routing._replace(
       unique_tokens=_after_served(layout, routing.unique_tokens, served))
 
@@ -327,29 +331,40 @@ def grad_sums_by_position(layout: StackLayout, grads: Sequence[jax.Array],
   return accum, common.row_square_sums(accum, round_dtype)
 
 
-def route(layout: StackLayout, keys_all, weights_all) -> StackRouting:
-  """Dedup of the communicator's keys (global over replicas)."""
+def route(layout: StackLayout, keys_all, weights_all,
+          slot_map=None) -> StackRouting:
+  """Dedup of the communicator's keys (global over replicas); through
+  `slot_map` (the stack's, from its state) if given, else by a sort."""
   keys = jnp.where(keys_all < 0, FILL_VALUE, keys_all).reshape(-1)
-  unique, segments, distinct, overflow = dedup_over_replicas(
-      layout.ctx, keys, layout.ctx.num_unique, layout.regions)
+  *dedup, slot_map = dedup_over_replicas(
+      layout.ctx, keys, layout.ctx.num_unique, layout.regions, slot_map)
+  unique, segments, distinct, overflow = dedup
   return StackRouting(unique, segments, weights_all.reshape(-1), distinct,
-                      overflow)
+                      overflow, slot_map)
 
 
-def dedup_over_replicas(ctx, keys: jax.Array, num_unique: int, regions=()):
+def dedup_over_replicas(ctx, keys: jax.Array, num_unique: int, regions=(),
+                        slot_map=None):
   """`unique_and_segments` of `keys` `[N]` (FILL_VALUE: none) over every
   replica: the unique rows are the same on every replica (so each applies
-  the same update to the same slots), the segments this replica's `[N]`."""
+  the same update to the same slots), the segments this replica's `[N]`.
+  With `slot_map`: `unique_by_slot_map` instead (the same slots in
+  first-occurrence order); returns the map after the dedup last (None
+  without one). Every replica dedups the same keys, so the maps agree."""
   n = keys.shape[0]
   if ctx.replica_axis:
     keys = lax.all_gather(keys, exchange.axis_name(ctx.replica_axis),
                           axis=0, tiled=True)
-  unique, segments, distinct, overflow = unique_and_segments(
-      keys, num_unique, regions=regions, on_cpu=on_cpu(ctx))
+  if slot_map is None:
+    unique, segments, distinct, overflow = unique_and_segments(
+        keys, num_unique, regions=regions, on_cpu=on_cpu(ctx))
+  else:
+    unique, segments, distinct, overflow, slot_map = unique_by_slot_map(
+        keys, num_unique, slot_map, regions=regions)
   if ctx.replica_axis:
     replica = lax.axis_index(exchange.axis_name(ctx.replica_axis))
     segments = lax.dynamic_slice_in_dim(segments, replica * n, n)
-  return unique, segments, distinct, overflow
+  return unique, segments, distinct, overflow, slot_map
 
 
 def on_cpu(ctx) -> bool:
@@ -409,8 +424,9 @@ def dense_grad(layout: StackLayout, table, keys_all, weights_all, cotangents):
 
 
 def lookup_stack(layout: StackLayout, backend: str, table, ids, weights,
-                 kernel_config=None, with_routing=False):
-  """The stack's embeddings (the layout's order) [+ its routing].
+                 kernel_config=None, with_routing=False, slot_map=None):
+  """The stack's embeddings (the layout's order) [+ its routing, deduped
+  through `slot_map` if given].
 
   Column: one all-gather of the keys, this rank's columns of every row,
   one all-to-all. Replicated: every rank holds the whole table, so a
@@ -421,7 +437,7 @@ def lookup_stack(layout: StackLayout, backend: str, table, ids, weights,
     keys_all, weights_all = gather_entries(layout, ids, weights)
     if with_routing:
       return serve_and_route(layout, backend, table, keys_all, weights_all,
-                             kernel_config)
+                             kernel_config, slot_map)
     return serve(layout, backend, table, keys_all, weights_all,
                  kernel_config)
   entries = local_entries(layout, ids, weights)
@@ -435,13 +451,14 @@ def lookup_stack(layout: StackLayout, backend: str, table, ids, weights,
     return embs
   gathered = exchange.all_gather_ids(layout.ctx, entries).reshape(
       layout.ctx.group_size, -1)
-  routing = route(layout, *split_entries(layout, gathered))
+  routing = route(layout, *split_entries(layout, gathered), slot_map)
   return embs, routing._replace(unique_tokens=_after_served(
       layout, routing.unique_tokens, served))
 
 
-def route_stack(layout: StackLayout, ids, weights) -> StackRouting:
-  return route(layout, *gather_entries(layout, ids, weights))
+def route_stack(layout: StackLayout, ids, weights,
+                slot_map=None) -> StackRouting:
+  return route(layout, *gather_entries(layout, ids, weights), slot_map)
 
 
 def dense_grad_stack(layout: StackLayout, table, ids, weights, cotangents):

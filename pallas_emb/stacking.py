@@ -45,6 +45,7 @@ class StackPlan:
   placement: str = "column"
   ranks: int = 1              # W, the communicator the layout is for
   block_rows: int = 0         # "table": rows of each rank's block
+  slot_map: bool = False      # dedups through an int32 [total_rows] map
 
   @property
   def total_rows(self) -> int:
@@ -66,14 +67,15 @@ class StackPlan:
 
   def rank_bytes(self) -> tuple[int, int]:
     """`(table, optimizer state)` bytes each rank stores: its shard of the
-    physical array and of every optimizer state array (the step too)."""
+    physical array and of every optimizer state array (the step too); the
+    state counts the slot map (`map_bytes`) too, which every rank holds."""
     width = self.emb_width // (self.ranks if self.placement == "column"
                                else 1)
     rows = self.local_rows
     table = rows * width * self.dtype.itemsize
     if self.optimizer is None:
-      return table, 0
-    state = 4  # the step counter
+      return table, self.map_bytes
+    state = 4 + self.map_bytes  # the step counter
     for slot in self.optimizer.slots():
       item = np.dtype(slot.dtype).itemsize
       if slot.kind == "row":
@@ -82,6 +84,11 @@ class StackPlan:
       else:
         state += rows * width * item
     return table, state
+
+  @property
+  def map_bytes(self) -> int:
+    """Bytes of the stack's slot map on each rank (0 without one)."""
+    return 4 * self.total_rows if self.slot_map else 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,9 +123,11 @@ class CollectionPlan:
     optimizer state each rank stores (its shards of the state's arrays)."""
     table = sum(s.rank_bytes()[0] for s in self.stacks)
     state = sum(s.rank_bytes()[1] for s in self.stacks)
+    maps = sum(s.map_bytes for s in self.stacks)
     return (f"{self._text(detailed=True)}\nper rank (each of "
             f"{self.stacks[0].ranks}): {table} table bytes + {state} "
-            "optimizer state bytes")
+            "optimizer state bytes"
+            + (f" (of which {maps} slot map bytes)" if maps else ""))
 
   def _text(self, detailed: bool) -> str:
     lines = []
@@ -142,12 +151,15 @@ class CollectionPlan:
 
 def stack_tables(tables: Sequence[TableSpec],
                  features: Sequence[FeatureSpec], ranks: int = 1, *,
-                 max_rows: int | None = MAX_INT32) -> CollectionPlan:
+                 max_rows: int | None = MAX_INT32,
+                 dedup: str = "sort") -> CollectionPlan:
   """Groups `tables` by (placement, emb_width, dtype, optimizer) into
   stacks, in the order the tables are given; each stack lists the features
   that read it. `ranks`: the communicator's size W (row and table
   placements lay their rows out over it). A stack of more than `max_rows`
-  physical rows raises (None: no check, for the planner's costing)."""
+  physical rows raises (None: no check, for the planner's costing).
+  `dedup="slot_map"`: each trained column or replicated stack holds a slot
+  map (`uses_slot_map`); row and table stacks keep the sort."""
   groups: dict[Any, list[TableSpec]] = {}
   for table in tables:
     if table.rank is not None and table.rank >= ranks:
@@ -171,7 +183,8 @@ def stack_tables(tables: Sequence[TableSpec],
         emb_width=members[0].emb_width, dtype=members[0].dtype,
         optimizer=members[0].optimizer,
         features=tuple(f.name for f in features if f.table in names),
-        placement=placement, ranks=ranks, block_rows=block_rows)
+        placement=placement, ranks=ranks, block_rows=block_rows,
+        slot_map=uses_slot_map(dedup, placement, members[0].optimizer))
     if max_rows is not None and stack.total_rows > max_rows:
       raise InputError(
           f"pallas_emb tables {list(names)} stack into {stack.total_rows} "
@@ -179,6 +192,14 @@ def stack_tables(tables: Sequence[TableSpec],
           "width, dtype, optimizer or placement so it is stored apart.")
     stacks.append(stack)
   return CollectionPlan(tuple(stacks))
+
+
+def uses_slot_map(dedup: str, placement: str, optimizer) -> bool:
+  """Whether a stack dedups through a slot map: `dedup="slot_map"`, a
+  column or replicated stack (row and table stacks dedup each rank's own
+  entries by a sort) that trains (a looked-up-only stack never dedups)."""
+  return (dedup == "slot_map" and placement in ("column", "replicated")
+          and optimizer is not None)
 
 
 def _pack_blocks(members: Sequence[TableSpec], ranks: int):

@@ -18,15 +18,24 @@ import numpy as np
 
 from pallas_emb import placement
 from pallas_emb import quantize
+from pallas_emb.dedup import empty_slot_map
 from pallas_emb.errors import InputError
 from pallas_emb.quantize import QuantizedRows
 from pallas_emb.stack import StackRouting
 
 
 class StackState(NamedTuple):
-  """The physical array of one stack and its optimizer state."""
+  """The physical array of one stack and its optimizer state.
+
+  `slot_map`: the int32 `[total_rows]` map of a stack that dedups through
+  one (`StackPlan.slot_map`), every entry at `dedup.MAP_SENTINEL` between
+  steps, on every rank; None otherwise. Not saved nor shown: it follows
+  from the rows (`coll.init`, `state_from_arrays` and restores rebuild it;
+  a state without one gets a fresh one at its next route).
+  """
   table: jax.Array
   opt_state: Any
+  slot_map: jax.Array | None = None
 
 
 @functools.partial(jax.tree_util.register_dataclass,
@@ -100,6 +109,45 @@ def serving_layouts(plan) -> dict[str, np.ndarray]:
           for s in plan.stacks if s.placement in ("row", "table")}
 
 
+def fresh_slot_map(stack, sharding):
+  """A stack's empty slot map, placed (None for a stack that sorts)."""
+  if not stack.slot_map:
+    return None
+  return jax.jit(empty_slot_map, static_argnums=0,
+                 out_shardings=sharding)(stack.total_rows)
+
+
+def route_maps(plan, state: CollectionState | None) -> tuple:
+  """Per stack of `plan`: the slot map its route reads (the state's; an
+  empty one if the state has none), None for a stack that sorts."""
+  maps = []
+  for s in plan.stacks:
+    m = state.stacks[s.name].slot_map if state is not None else None
+    maps.append(None if not s.slot_map else
+                empty_slot_map(s.total_rows) if m is None else m)
+  return tuple(maps)
+
+
+def without_slot_maps(parts) -> tuple:
+  """Stack states or routings (or their specs) without their slot maps."""
+  return tuple(p._replace(slot_map=None) if hasattr(p, "slot_map") else p
+               for p in parts)
+
+
+def move_slot_maps(state: CollectionState, routing: Routing
+                   ) -> tuple[CollectionState, Routing]:
+  """The routing's slot maps moved back into the state (what the pipelined
+  Trainer does right after a route: the next route reads them from the
+  state, and the routing it keeps in flight holds none)."""
+  stacks, routes = dict(state.stacks), dict(routing.stacks)
+  for name, r in routing.stacks.items():
+    if getattr(r, "slot_map", None) is not None:
+      stacks[name] = stacks[name]._replace(slot_map=r.slot_map)
+      routes[name] = r._replace(slot_map=None)
+  return (dataclasses.replace(state, stacks=stacks),
+          dataclasses.replace(routing, stacks=routes))
+
+
 def check_state(plan, state, backend: str) -> None:
   """A training state of `plan`'s collection on `backend`: its stacks,
   shapes and table dtypes (a stack's own, or the storage dtype that
@@ -130,6 +178,20 @@ def check_state(plan, state, backend: str) -> None:
           f"pallas_emb collection state {stack.name} table is "
           f"{np.dtype(table.dtype).name}{list(table.shape)}; the plan says "
           f"{stack.dtype.name}{list(shape)}{bits}.")
+    _check_slot_map(stack, state.stacks[stack.name].slot_map)
+
+
+def _check_slot_map(stack, slot_map) -> None:
+  if slot_map is None:
+    return
+  got = f"{np.dtype(slot_map.dtype).name}{list(slot_map.shape)}"
+  if not stack.slot_map or got != f"int32[{stack.total_rows}]":
+    want = (f"int32[{stack.total_rows}]" if stack.slot_map else
+            "None (this collection dedups it by a sort)")
+    raise InputError(
+        f"pallas_emb collection state {stack.name} slot_map is {got}; the "
+        f"plan says {want}. Pass the state this collection returned, or "
+        "rebuild it with coll.state_from_arrays.")
 
 
 def _check_stack_names(plan, stacks, what: str, fix: str) -> None:

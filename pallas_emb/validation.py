@@ -252,6 +252,23 @@ def resolve_backend(mesh_or_ctx, backend: str | None) -> str:
   return backend
 
 
+DEDUPS = ("sort", "slot_map")
+
+
+def check_dedup(dedup, backend: str | None, where: str) -> str:
+  """The collection's dedup: "sort", or "slot_map" on the xla backend."""
+  if dedup not in DEDUPS:
+    raise InputError(
+        f"pallas_emb {where} dedup={dedup!r} is not one of {DEDUPS}: use "
+        "'sort' (the default) or 'slot_map' (the sort-free dedup of column "
+        "and replicated stacks, xla backend).")
+  if dedup == "slot_map" and backend not in (None, "xla"):
+    raise InputError(
+        f"pallas_emb {where} dedup='slot_map' runs on the xla backend only, "
+        f"not backend={backend!r}; pass backend='xla' or dedup='sort'.")
+  return dedup
+
+
 def _shape_dtype(x):
   return tuple(x.shape), str(x.dtype)
 

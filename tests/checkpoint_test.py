@@ -16,6 +16,7 @@ import numpy as np
 import pallas_emb as pe
 from pallas_emb import checkpoint as ckpt
 from pallas_emb import checksums as checksums_lib
+from pallas_emb.dedup import MAP_SENTINEL
 
 VOCAB, WIDTH = 64, 16
 
@@ -420,7 +421,7 @@ class IntegrityTest(_DirTest):
       np.testing.assert_array_equal(_bits(out[k]), _bits(v))
 
 
-def _collection(ranks, tables, lazy=True):
+def _collection(ranks, tables, lazy=True, dedup="sort"):
   opt = pe.RowwiseAdagrad(0.1, half_life_steps=3.0, lazy=lazy)
   specs = {"items": pe.TableSpec("items", 40, 16, optimizer=opt),
            "users": pe.TableSpec("users", 24, 16, optimizer=opt),
@@ -429,7 +430,8 @@ def _collection(ranks, tables, lazy=True):
            "city": pe.TableSpec("city", 12, 16, optimizer=opt)}
   return pe.EmbeddingCollection(
       [specs[t] for t in tables], [pe.FeatureSpec(t, t) for t in tables],
-      test_util.mesh({"x": ranks}), "x")
+      test_util.mesh({"x": ranks}), "x", dedup=dedup,
+      backend="xla" if dedup == "slot_map" else None)
 
 
 class CollectionCheckpointTest(_DirTest):
@@ -520,6 +522,30 @@ class CollectionCheckpointTest(_DirTest):
     assert_shows(interpret, restored)
     ckpt.save_collection(self.dir, interpret, restored, step=2)
     assert_shows(xla, ckpt.restore_collection(self.dir, xla, step=2)[0])
+
+  def test_slot_maps_are_not_saved(self):
+    """dedup="slot_map": neither checkpoint holds the maps; both restores
+    rebuild them, and the restored state trains on as the saved one."""
+    coll = _collection(2, ["items", "genre"], dedup="slot_map")
+    state = self._trained(coll)
+    ckpt.save_collection(self.dir, coll, state, step=1)
+    ckpt.save(self.dir, state, step=2)
+    saved = ckpt._flat(ckpt._saved_tree(self.dir, 2)[1])
+    self.assertEmpty([k for k in saved if "slot_map" in k])
+    restored = [ckpt.restore_collection(self.dir, coll, step=1)[0],
+                ckpt.restore(self.dir, coll.init(jax.random.key(1)),
+                             step=2)]
+    batch = {f: np.arange(8, dtype=np.int32) for f in coll.features}
+    grads = {f: np.ones((8, 16), np.float32) for f in coll.features}
+    want, _ = coll.apply_gradients(state, batch, grads)
+    for got in restored:
+      for s in coll.plan.stacks:
+        np.testing.assert_array_equal(got.stacks[s.name].slot_map,
+                                      np.full(s.total_rows, MAP_SENTINEL))
+      got, _ = coll.apply_gradients(got, batch, grads)
+      for a, b in zip(jax.tree.leaves(coll.table_arrays(got)),
+                      jax.tree.leaves(coll.table_arrays(want))):
+        np.testing.assert_array_equal(_bits(a), _bits(b))
 
   def test_unknown_saved_table(self):
     saved_coll = _collection(2, ["items", "users"])

@@ -22,6 +22,7 @@ from jax.sharding import PartitionSpec as P
 
 import numpy_model
 import pallas_emb as pe
+from pallas_emb.dedup import MAP_SENTINEL
 
 OPT_KWS = [
     dict(learning_rate=0.1),
@@ -47,7 +48,7 @@ def edge_ids(rng, shape, vocab):
   return ids.reshape(shape).astype(np.int32)
 
 
-def random_collection(seed, backend):
+def random_collection(seed, backend, dedup="sort"):
   """1-5 tables (widths 8-128 over 1-8 ranks, f32/bf16, shared optimizers so
   that some tables stack), 1-3 features per table, sequence shapes."""
   rng = np.random.default_rng(seed)
@@ -72,8 +73,8 @@ def random_collection(seed, backend):
   shapes = {f.name: (batch_size,) if rng.random() < 0.5
             else (batch_size, int(rng.integers(1, 4))) for f in features}
   coll = pe.EmbeddingCollection([t for t, _ in tables], features, mesh, "x",
-                                backend=backend)
-  config = dict(seed=seed, ranks=ranks, backend=backend,
+                                backend=backend, dedup=dedup)
+  config = dict(seed=seed, ranks=ranks, backend=backend, dedup=dedup,
                 tables=[(t.name, t.vocab_rows, t.emb_width, t.dtype.name,
                          OPT_KWS[i], t.padding_id) for t, i in tables],
                 shapes=shapes, plan=str(coll.plan))
@@ -124,23 +125,32 @@ def _train_step(coll, state, batch, grads):
 
 class CollectionModelTest(parameterized.TestCase):
 
-  @parameterized.parameters(*range(12))
+  @parameterized.parameters(*range(15))
   def test_random_collections(self, i):
     """Lookups and three update steps of a random collection vs the model.
 
-    One test per collection, so that pytest-xdist spreads them.
+    One test per collection, so that pytest-xdist spreads them. Cases 12-14
+    dedup through slot maps (xla backend), and train bit for bit as the
+    same collection with the sort.
     """
     backends = test_util.backends()
+    slot_map = i >= 12
     coll, opt_index, shapes, rng, config = random_collection(
-        100 + i, backends[i % len(backends)])
+        100 + i, "xla" if slot_map else backends[i % len(backends)],
+        "slot_map" if slot_map else "sort")
     logging.info("random collection %s", config)
     try:
-      self._check(coll, opt_index, shapes, rng)
+      self._check(coll, opt_index, shapes, rng, slot_map)
     except AssertionError as e:
       raise AssertionError(f"random collection {config} failed: {e}") from e
 
-  def _check(self, coll, opt_index, shapes, rng):
+  def _check(self, coll, opt_index, shapes, rng, against_sort=False):
     state = test_util.random_state(coll, 0)
+    if against_sort:
+      sort = pe.EmbeddingCollection(
+          coll.tables.values(), coll.features.values(), coll.mesh, "x",
+          backend=coll.backend)
+      sort_state = test_util.random_state(sort, 0)
     arrays = {k: test_util.as_numpy(v)
               for k, v in coll.table_arrays(state).items()}
     model = CollectionModel(coll, arrays, opt_index)
@@ -167,6 +177,17 @@ class CollectionModelTest(parameterized.TestCase):
       for stack_stats in stats.values():
         self.assertEqual(int(stack_stats.valid), 1)
         self.assertEqual(int(stack_stats.num_overflow), 0)
+      if against_sort:
+        sort_state, _ = _train_step(sort, sort_state, batch, grads)
+        for got, want in ((coll.table_arrays(state),
+                           sort.table_arrays(sort_state)),
+                          (coll.optimizer_arrays(state),
+                           sort.optimizer_arrays(sort_state))):
+          jax.tree.map(lambda a, b: test_util.assert_bits_equal(
+              self, a, test_util.as_numpy(b)), got, want)
+        for s in coll.plan.stacks:  # every map is back at the sentinel
+          np.testing.assert_array_equal(state.stacks[s.name].slot_map,
+                                        MAP_SENTINEL)
     for name, table in coll.table_arrays(state).items():
       assert_tables_close(self, table, model.models[name], name)
     for name, opt_state in coll.optimizer_arrays(state).items():
@@ -633,6 +654,30 @@ class ValidationTest(parameterized.TestCase):
       self._coll(tables=[t, pe.TableSpec("u", 10, 8, optimizer=self.opt)])
     with self.assertRaisesRegex(pe.InputError, "expected pallas_emb.TableSpec"):
       self._coll(tables=[("t", 10, 8)])
+
+  def test_dedup_errors(self):
+    with self.assertRaisesRegex(pe.InputError, "dedup='hash' is not one of "
+                                "\\('sort', 'slot_map'\\)"):
+      self._coll(dedup="hash")
+    with self.assertRaisesRegex(pe.InputError, "dedup='slot_map' runs on the "
+                                "xla backend only, not backend='interpret'; "
+                                "pass backend='xla' or dedup='sort'"):
+      self._coll(dedup="slot_map", backend="interpret")
+    with self.assertRaisesRegex(pe.InputError, "plan dedup='x'"):
+      pe.plan([pe.TableSpec("t", 10, 8, optimizer=self.opt)],
+              [pe.FeatureSpec("f", "t")], self.mesh, table_axis="x",
+              batch_size=8, device_memory=2**30, dedup="x")
+    # A state of the sort twin has no map: its route makes a fresh one.
+    maps, sort = self._coll(dedup="slot_map", backend="xla"), self._coll()
+    batch, grads = {"f": np.arange(8, dtype=np.int32)}, {
+        "f": np.ones((8, 8), np.float32)}
+    state, _ = maps.apply_gradients(test_util.random_state(sort, 0), batch,
+                                    grads)
+    self.assertEqual(state.stacks["stack0"].slot_map.shape, (10,))
+    with self.assertRaisesRegex(pe.InputError, "state stack0 slot_map is "
+                                "int32\\[10\\]; the plan says None \\(this "
+                                "collection dedups it by a sort\\)"):
+      sort.lookup(state, batch)
 
   def test_call_errors(self):
     coll = self._coll()

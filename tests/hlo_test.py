@@ -223,6 +223,32 @@ class HloTest(parameterized.TestCase):
                f"Trainer step ranks={ranks} {dtype} pipelined={pipelined} "
                f"lazy={lazy}")
 
+  @parameterized.named_parameters(*_named(ranks=(1, 8),
+                                          pipelined=(True, False)))
+  def test_trainer_step_with_slot_maps(self, ranks, pipelined):
+    """dedup="slot_map": the state's int32 [VOCAB] map flows through the
+    route to the update (synchronous) or straight back into the state
+    (pipelined) and is updated in place: no [VOCAB] op, and no sort."""
+    ctx, opt, table, batch = setup(ranks, "float32")
+    coll = pe.EmbeddingCollection(
+        [pe.TableSpec("t", VOCAB, WIDTH, optimizer=opt)],
+        [pe.FeatureSpec("ids", "t")], ctx.mesh, "x", backend="xla",
+        dedup="slot_map")
+    trainer = pipeline.Trainer(coll, loss_fn=loss_fn,
+                               dense_optimizer=optax.sgd(0.1),
+                               pipelined=pipelined)
+    params = {"w": jnp.full((WIDTH, 1), 0.1, jnp.float32)}
+    state = trainer.init(coll.state_from_arrays({"t": table}), params,
+                         first_batch=batch if pipelined else None)
+    self.assertEqual(state.embedding.stacks["stack0"].slot_map.shape,
+                     (VOCAB,))
+    step = jax.jit(trainer.step, donate_argnums=0)
+    args = (state, batch, batch) if pipelined else (state, batch)
+    text = step.lower(*args).compile().as_text()
+    self.check(text, "float32", "xla",
+               f"Trainer step with slot maps ranks={ranks} "
+               f"pipelined={pipelined}")
+    self.assertNotIn(" sort(", text)
 
   @parameterized.named_parameters(*_named(
       ranks=(1, 8), dtype=("float32", "bfloat16"),

@@ -18,7 +18,7 @@ VOCAB = 41
 TOKENS = 32
 
 
-def make_setup(lazy, dtype, ranks=8, backend=None):
+def make_setup(lazy, dtype, ranks=8, backend=None, dedup="sort"):
   """A collection of two tables (two stacks) read by three features."""
   mesh = test_util.mesh({"x": ranks})
   opt = (pe.RowwiseAdagrad(0.1, half_life_steps=2.0, weight_decay=0.01,
@@ -29,7 +29,8 @@ def make_setup(lazy, dtype, ranks=8, backend=None):
                     padding_id=0),
        pe.TableSpec("s", 7, ranks, optimizer=opt)],
       [pe.FeatureSpec("ids", "t"), pe.FeatureSpec("hist", "t"),
-       pe.FeatureSpec("small", "s")], mesh, "x", backend=backend)
+       pe.FeatureSpec("small", "s")], mesh, "x", backend=backend,
+      dedup=dedup)
   rng = np.random.default_rng(0)
   state = test_util.random_state(coll, 0)
   params = {"w": jnp.asarray(rng.standard_normal((2 * ranks, 1)),
@@ -95,29 +96,53 @@ class PipelineTest(parameterized.TestCase):
     dense_opt = optax.adam(1e-2)
     for backend in test_util.backends_for(self):
       with self.subTest(backend=backend):
-        coll, state0, params, batches = make_setup(lazy, dtype,
-                                                   backend=backend)
-        trainer = pipeline.Trainer(coll, loss_fn, dense_opt, pipelined=True)
-        # Copies: the step donates the state, the reference needs the inputs.
-        state = trainer.init(copies(state0), copies(params), batches[0])
-        step = jax.jit(trainer.step, donate_argnums=0)
-        losses, valid = [], []
-        for t, batch in enumerate(batches):
-          nxt = batches[min(t + 1, len(batches) - 1)]
-          state, metrics = step(state, batch, nxt)
-          losses.append(metrics.loss)
-          valid.append([int(s.valid) for s in metrics.updates.values()])
-        self.assertEqual(valid, [[0, 0]] + [[1, 1]] * 5)  # first: no-op
-        ref_state, ref_params, ref_losses = late_loop(
-            coll, state0, params, batches, dense_opt)
-        for a, b in zip(jax.tree.leaves(state.embedding),
-                        jax.tree.leaves(ref_state)):
-          test_util.assert_bits_equal(self, a, test_util.as_numpy(b))
-        np.testing.assert_array_equal(np.asarray(losses),
-                                      np.asarray(ref_losses))
-        for a, b in zip(jax.tree.leaves(state.dense_params),
-                        jax.tree.leaves(ref_params)):
-          test_util.assert_bits_equal(self, a, test_util.as_numpy(b))
+        self._check_late_loop(*make_setup(lazy, dtype, backend=backend),
+                              dense_opt)
+
+  def test_slot_maps_train_as_the_sort(self):
+    """dedup="slot_map": the pipelined step equals the late loop of the same
+    collection with the sort, bit for bit. (The synchronous step's routing
+    carries the maps to the update: placements_test's replica_axis case
+    with slot maps checks that flow against the model.)"""
+    dense_opt = optax.adam(1e-2)
+    coll, state0, params, batches = make_setup(True, np.float32, ranks=2,
+                                               backend="xla",
+                                               dedup="slot_map")
+    sort, sort_state0, _, _ = make_setup(True, np.float32, ranks=2,
+                                         backend="xla")
+    self._check_late_loop(coll, state0, params, batches, dense_opt,
+                          reference=(sort, sort_state0))
+
+  def _check_late_loop(self, coll, state0, params, batches, dense_opt,
+                       reference=None):
+    """The pipelined Trainer against `late_loop` of `reference` (a
+    collection and its initial state; default: the same)."""
+    trainer = pipeline.Trainer(coll, loss_fn, dense_opt, pipelined=True)
+    # Copies: the step donates the state, the reference needs the inputs.
+    state = trainer.init(copies(state0), copies(params), batches[0])
+    step = jax.jit(trainer.step, donate_argnums=0)
+    losses, valid = [], []
+    for t, batch in enumerate(batches):
+      nxt = batches[min(t + 1, len(batches) - 1)]
+      state, metrics = step(state, batch, nxt)
+      losses.append(metrics.loss)
+      valid.append([int(s.valid) for s in metrics.updates.values()])
+    self.assertEqual(valid, [[0, 0]] + [[1, 1]] * 5)  # first: no-op
+    ref_coll, ref_state0 = reference or (coll, state0)
+    ref_state, ref_params, ref_losses = late_loop(
+        ref_coll, ref_state0, params, batches, dense_opt)
+    for a, b in zip(jax.tree.leaves((coll.table_arrays(state.embedding),
+                                     coll.optimizer_arrays(
+                                         state.embedding))),
+                    jax.tree.leaves((ref_coll.table_arrays(ref_state),
+                                     ref_coll.optimizer_arrays(
+                                         ref_state)))):
+      test_util.assert_bits_equal(self, a, test_util.as_numpy(b))
+    np.testing.assert_array_equal(np.asarray(losses),
+                                  np.asarray(ref_losses))
+    for a, b in zip(jax.tree.leaves(state.dense_params),
+                    jax.tree.leaves(ref_params)):
+      test_util.assert_bits_equal(self, a, test_util.as_numpy(b))
 
   def test_first_update_is_a_no_op(self):
     coll, state0, params, batches = make_setup(False, np.float32)

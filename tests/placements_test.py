@@ -49,7 +49,7 @@ def edge_ids(rng, shape, vocab):
   return ids.reshape(shape).astype(np.int32)
 
 
-def random_collection(seed, ranks, replicas=1):
+def random_collection(seed, ranks, replicas=1, dedup="sort"):
   """3-5 tables of every placement (widths 4-128, f32 / bf16, row-wise
   Adagrad or SGD, padding or not), sequence, pooled and weighted features;
   whole copies over a replica axis "r" if `replicas` > 1."""
@@ -80,7 +80,8 @@ def random_collection(seed, ranks, replicas=1):
       shapes[name] = ((batch_size,) if kind == 0 and rng.random() < 0.5
                       else (batch_size, int(rng.integers(1, 4))))
   coll = pe.EmbeddingCollection(tables, features, mesh, "x", backend="xla",
-                                replica_axis="r" if replicas > 1 else ())
+                                replica_axis="r" if replicas > 1 else (),
+                                dedup=dedup)
   return coll, shapes, rng
 
 
@@ -296,12 +297,16 @@ class ModelCheck:
 
 class PlacementModelTest(ModelCheck, parameterized.TestCase):
 
-  @parameterized.parameters((2, 4, 10), (4, 2, 13))
-  def test_replica_axis(self, replicas, ranks, seed):
+  @parameterized.parameters((2, 4, 10), (4, 2, 13), (2, 2, 13, "slot_map"))
+  def test_replica_axis(self, replicas, ranks, seed, dedup="sort"):
     """Whole copies of a mixed collection over a replica axis: every step
     sums every replica's gradients (the numpy model sees the global
-    batch), and the copies stay bit-identical."""
-    coll, shapes, rng = random_collection(seed, ranks, replicas)
+    batch), and the copies stay bit-identical. With dedup="slot_map" the
+    column and replicated stacks dedup through their maps."""
+    coll, shapes, rng = random_collection(seed, ranks, replicas, dedup)
+    self.assertEqual(
+        sorted(s.placement for s in coll.plan.stacks if s.slot_map),
+        [] if dedup == "sort" else ["column", "replicated"])
     self.assertEqual(sorted({s.placement for s in coll.plan.stacks}),
                      sorted(PLACEMENTS))
     self._check(coll, shapes, rng, f"seed {seed}\n{coll.plan}")
@@ -482,7 +487,7 @@ class OverflowTest(parameterized.TestCase):
       coll.raise_if_overflow(stats)
 
 
-def small_collection(placements, ranks=4, replicas=1):
+def small_collection(placements, ranks=4, replicas=1, dedup="sort"):
   """Three tables (two widths, Adagrad and SGD) with the given placements,
   a sequence and a pooled feature (whole copies over "r" if `replicas` >
   1)."""
@@ -495,7 +500,9 @@ def small_collection(placements, ranks=4, replicas=1):
   features = [pe.FeatureSpec("fa", "a"), pe.FeatureSpec("fb", "b"),
               pe.FeatureSpec("fc", "c", combiner="mean")]
   return pe.EmbeddingCollection(tables, features, mesh, "x",
-                                replica_axis="r" if replicas > 1 else ())
+                                replica_axis="r" if replicas > 1 else (),
+                                dedup=dedup, backend="xla"
+                                if dedup == "slot_map" else None)
 
 
 def small_batch(rng, ranks=4):
@@ -587,6 +594,28 @@ class StateTest(absltest.TestCase):
     # a: 30 rows over 4 ranks, 8 per rank; row-wise Adagrad state too.
     self.assertEqual(coll.plan.stacks[0].rank_bytes(), (8 * 8 * 4,
                                                         8 * 4 + 4))
+
+  def test_plan_counts_the_slot_maps(self):
+    """dedup="slot_map": the optimizer state bytes of describe() and of
+    pe.plan_cost count each column or replicated stack's int32 map, which
+    every rank holds whole."""
+    coll = small_collection(["column", "row", "replicated"], dedup="slot_map")
+    sort = small_collection(["column", "row", "replicated"])
+    state = test_util.random_state(coll, 0)
+    for stack, plain in zip(coll.plan.stacks, sort.plan.stacks):
+      slot_map = state.stacks[stack.name].slot_map
+      self.assertEqual(stack.map_bytes, 0 if slot_map is None else
+                       slot_map.addressable_shards[0].data.nbytes)
+      self.assertEqual(stack.rank_bytes()[1],
+                       plain.rank_bytes()[1] + stack.map_bytes)
+    self.assertEqual([s.map_bytes for s in coll.plan.stacks],
+                     [4 * 30, 0, 4 * 9])
+    self.assertIn("(of which 156 slot map bytes)", coll.plan.describe())
+    tables = list(coll.tables.values())
+    features = list(coll.features.values())
+    cost = lambda **kw: pe.plan_cost(tables, features, 4, batch_size=4,
+                                     **kw).memory_per_rank
+    self.assertEqual(cost(dedup="slot_map") - cost(), 156)
 
 
 class HloTest(absltest.TestCase):
