@@ -1,6 +1,5 @@
 """The pipelined step against a synchronous loop that applies late."""
 
-import functools
 
 import test_util
 

@@ -8,7 +8,6 @@ each table with numpy_model.Adagrad on the per-entry gradients
 reads it.
 """
 
-import functools
 import re
 
 import test_util
