@@ -112,6 +112,20 @@ class Trainer:
     return jax.device_put(jnp.asarray(value),
                           NamedSharding(self.collection.mesh, P()))
 
+  def _on_mesh(self, tree):
+    """Leaves not yet placed on the collection's mesh, replicated over it.
+
+    The step returns the dense parameters and optimizer state so; given
+    them otherwise (host arrays, one device's), its second call would
+    compile the whole step again. Leaves the user sharded on the mesh stay.
+    """
+    mesh = self.collection.mesh
+    return jax.tree.map(
+        lambda x: x if (isinstance(x, jax.Array)
+                        and isinstance(x.sharding, NamedSharding)
+                        and x.sharding.mesh == mesh)
+        else self._replicated(x), tree)
+
   # --- public ---------------------------------------------------------------
 
   def init(self, embedding: CollectionState, dense_params,
@@ -121,7 +135,8 @@ class Trainer:
     The state may share buffers with its inputs, and the step donates it:
     pass copies if you still need them.
     """
-    dense_opt_state = self.dense_optimizer.init(dense_params)
+    dense_params = self._on_mesh(dense_params)
+    dense_opt_state = self._on_mesh(self.dense_optimizer.init(dense_params))
     if not self.pipelined:
       return PipelineState(embedding, dense_params, dense_opt_state, None,
                            None)

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 import numpy as np
 
+from pallas_emb import exchange
 from pallas_emb.kernels import common
 from pallas_emb.stacking import StackPlan
 
@@ -116,7 +117,10 @@ def fresh_state(stack: StackPlan, mesh, table_axis):
   for slot in opt.slots():  # every slot's rows where the table's are
     shape = (stack.total_rows,) + (
         (stack.emb_width,) if slot.kind == "element" else ())
-    arrays[slot.name] = jnp.full(shape, slot.init, slot.dtype, device=table)
+    # `place`: under a user's jit (`jax.jit(coll.init)`), `device=` alone
+    # left the state replicated on every rank.
+    arrays[slot.name] = exchange.place(
+        jnp.full(shape, slot.init, slot.dtype, device=table), table)
   return _state(opt, arrays, jnp.zeros((), jnp.int32, device=replicated))
 
 

@@ -127,6 +127,8 @@ class PipelineTest(parameterized.TestCase):
       losses.append(metrics.loss)
       valid.append([int(s.valid) for s in metrics.updates.values()])
     self.assertEqual(valid, [[0, 0]] + [[1, 1]] * 5)  # first: no-op
+    # One compile: init places the dense state as the step returns it.
+    self.assertEqual(step._cache_size(), 1)  # pylint: disable=protected-access
     ref_coll, ref_state0 = reference or (coll, state0)
     ref_state, ref_params, ref_losses = late_loop(
         ref_coll, ref_state0, params, batches, dense_opt)

@@ -513,6 +513,23 @@ def small_batch(rng, ranks=4):
 
 class StateTest(absltest.TestCase):
 
+  def test_jitted_init_shards_the_optimizer_state(self):
+    """Under a user's jit, init's optimizer state is sharded as eagerly
+    (row, table: every slot with the table's rows; column: Adam's m and v
+    like the table), not replicated on every rank."""
+    mesh = test_util.mesh({"x": 2})
+    coll = pe.EmbeddingCollection(
+        [pe.TableSpec(n, 6, 4, optimizer=pe.Adam(0.1), placement=p)
+         for n, p in (("a", "row"), ("b", "table"), ("c", "column"))],
+        [pe.FeatureSpec(n, n) for n in "abc"], mesh, "x")
+    eager = coll.init(jax.random.key(0))
+    jitted = jax.jit(coll.init)(jax.random.key(0))
+    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(eager),
+                            jax.tree.leaves(jitted)):
+      self.assertTrue(b.sharding.is_equivalent_to(a.sharding, a.ndim),
+                      f"{jax.tree_util.keystr(path)}: {b.sharding} under "
+                      f"jit, {a.sharding} eagerly")
+
   def test_checkpoint_restores_across_placements(self):
     """Trained under one placement per table, saved, restored under every
     other: the same logical tables and optimizer states, bit for bit."""

@@ -208,8 +208,9 @@ class SparseOptimizer:
     arrays = {}
     for slot in self.slots():
       if slot.kind == ROW:
-        arrays[slot.name] = jnp.full((vocab_rows,), slot.init, slot.dtype,
-                                     device=replicated)
+        arrays[slot.name] = exchange.place(
+            jnp.full((vocab_rows,), slot.init, slot.dtype, device=replicated),
+            replicated)
         continue
       if emb_width is None or table_sharding is None:
         raise InputError(
@@ -217,8 +218,11 @@ class SparseOptimizer:
             f"and table_sharding= for its element-wise state "
             f"{slot.name!r} ([vocab_rows, emb_width], sharded like the "
             "table).")
-      arrays[slot.name] = jnp.full((vocab_rows, emb_width), slot.init,
-                                   slot.dtype, device=table_sharding)
+      # `place`: under a user's jit (`jax.jit(coll.init)`), `device=` alone
+      # left the state replicated on every rank.
+      arrays[slot.name] = exchange.place(
+          jnp.full((vocab_rows, emb_width), slot.init, slot.dtype,
+                   device=table_sharding), table_sharding)
     return self._state(arrays, jnp.zeros((), jnp.int32, device=replicated))
 
   def state_specs(self, table_spec: P):
