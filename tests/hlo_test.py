@@ -133,6 +133,19 @@ def _named(**axes):
   return out
 
 
+
+def trainer_step_text(coll, table, batch, pipelined):
+  """A Trainer's initial state over `table` and its compiled step's HLO."""
+  trainer = pipeline.Trainer(coll, loss_fn=loss_fn,
+                             dense_optimizer=optax.sgd(0.1),
+                             pipelined=pipelined)
+  params = {"w": jnp.full((WIDTH, 1), 0.1, jnp.float32)}
+  state = trainer.init(coll.state_from_arrays({"t": table}), params,
+                       first_batch=batch if pipelined else None)
+  step = jax.jit(trainer.step, donate_argnums=0)
+  args = (state, batch, batch) if pipelined else (state, batch)
+  return state, step.lower(*args).compile().as_text()
+
 class HloTest(parameterized.TestCase):
 
   def check(self, hlo_text, dtype, backend, what, raw_table=False):
@@ -210,15 +223,7 @@ class HloTest(parameterized.TestCase):
     coll = pe.EmbeddingCollection(
         [pe.TableSpec("t", VOCAB, WIDTH, optimizer=opt, dtype=dtype)],
         [pe.FeatureSpec("ids", "t")], ctx.mesh, "x", backend=backend)
-    trainer = pipeline.Trainer(coll, loss_fn=loss_fn,
-                               dense_optimizer=optax.sgd(0.1),
-                               pipelined=pipelined)
-    params = {"w": jnp.full((WIDTH, 1), 0.1, jnp.float32)}
-    state = trainer.init(coll.state_from_arrays({"t": table}), params,
-                         first_batch=batch if pipelined else None)
-    step = jax.jit(trainer.step, donate_argnums=0)
-    args = (state, batch, batch) if pipelined else (state, batch)
-    text = step.lower(*args).compile().as_text()
+    _, text = trainer_step_text(coll, table, batch, pipelined)
     self.check(text, dtype, backend,
                f"Trainer step ranks={ranks} {dtype} pipelined={pipelined} "
                f"lazy={lazy}")
@@ -234,17 +239,9 @@ class HloTest(parameterized.TestCase):
         [pe.TableSpec("t", VOCAB, WIDTH, optimizer=opt)],
         [pe.FeatureSpec("ids", "t")], ctx.mesh, "x", backend="xla",
         dedup="slot_map")
-    trainer = pipeline.Trainer(coll, loss_fn=loss_fn,
-                               dense_optimizer=optax.sgd(0.1),
-                               pipelined=pipelined)
-    params = {"w": jnp.full((WIDTH, 1), 0.1, jnp.float32)}
-    state = trainer.init(coll.state_from_arrays({"t": table}), params,
-                         first_batch=batch if pipelined else None)
+    state, text = trainer_step_text(coll, table, batch, pipelined)
     self.assertEqual(state.embedding.stacks["stack0"].slot_map.shape,
                      (VOCAB,))
-    step = jax.jit(trainer.step, donate_argnums=0)
-    args = (state, batch, batch) if pipelined else (state, batch)
-    text = step.lower(*args).compile().as_text()
     self.check(text, "float32", "xla",
                f"Trainer step with slot maps ranks={ranks} "
                f"pipelined={pipelined}")
