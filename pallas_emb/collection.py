@@ -22,10 +22,7 @@ the offset is added, so it never reaches another table of its stack.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-import math
-import numbers
 import zlib
 from typing import Any, Mapping, Sequence
 
@@ -35,6 +32,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from pallas_emb import exchange
+from pallas_emb import fitting
 from pallas_emb import inputs as inputs_lib
 from pallas_emb import kernels
 from pallas_emb import layout as layout_lib
@@ -564,8 +562,8 @@ class EmbeddingCollection:
     over. A later batch with more distinct rows than a cap loses those
     rows' gradients and says so: check the stats with `raise_if_overflow`.
     """
-    return self._fit("max_unique", self.distinct_rows, batches, headroom,
-                     ("column", "replicated"))
+    return fitting.fit_caps(self, "max_unique", self.distinct_rows, batches,
+                            headroom, ("column", "replicated"))
 
   def fit_max_ids_per_partition(self, batches, *, headroom: float = 1.25
                                 ) -> EmbeddingCollection:
@@ -579,38 +577,9 @@ class EmbeddingCollection:
     all-gather; on well-spread ids a fitted cap is about headroom / W of
     that. A later batch over a cap serves those rows as zeros and does not
     train them: check the stats with `raise_if_overflow`."""
-    return self._fit("max_ids_per_partition",
-                     lambda b: row_lib.ids_per_partition(self, b), batches,
-                     headroom, ("row", "table"))
-
-  def _fit(self, field, count, batches, headroom, placements):
-    """This collection with `field` of the tables of `placements` set to
-    headroom x the most `count(batch)[table]` over `batches`."""
-    if (not isinstance(headroom, numbers.Real) or isinstance(headroom, bool)
-        or not (np.isfinite(headroom) and headroom >= 1)):
-      raise InputError(f"pallas_emb fit_{field} headroom={headroom!r}; "
-                       "expected a finite number >= 1.")
-    batches = list(batches)
-    if not batches:
-      raise InputError(f"pallas_emb fit_{field} got no batches; give at "
-                       "least one sample batch of the stream.")
-    most = {name: 0 for name in self.tables}
-    for batch in batches:
-      for name, n in count(batch).items():
-        most[name] = max(most[name], n)
-    tables = []
-    for name, spec in self.tables.items():
-      if spec.placement in placements:
-        cap = 8 * max(1, math.ceil(headroom * most[name] / 8))
-        if getattr(spec, field) is not None:
-          cap = min(cap, getattr(spec, field))
-        spec = dataclasses.replace(spec, **{field: cap})
-      tables.append(spec)
-    return type(self)(
-        tables, tuple(self.features.values()), self.mesh, self.table_axis,
-        data_axis=self.data_axis, replica_axis=self.replica_axis,
-        backend=self.backend, kernel_config=self.kernel_config,
-        dedup=self.dedup)
+    return fitting.fit_caps(self, "max_ids_per_partition",
+                            lambda b: row_lib.ids_per_partition(self, b),
+                            batches, headroom, ("row", "table"))
 
   def raise_if_overflow(self, stats: Mapping[str, update_lib.UpdateStats]
                         ) -> None:
