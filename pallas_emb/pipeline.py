@@ -117,14 +117,19 @@ class Trainer:
 
     The step returns the dense parameters and optimizer state so; given
     them otherwise (host arrays, one device's), its second call would
-    compile the whole step again. Leaves the user sharded on the mesh stay.
+    compile the whole step again. Leaves the user sharded on the mesh stay,
+    and so do traced ones (`init` under the user's jit: theirs to place).
     """
     mesh = self.collection.mesh
-    return jax.tree.map(
-        lambda x: x if (isinstance(x, jax.Array)
-                        and isinstance(x.sharding, NamedSharding)
-                        and x.sharding.mesh == mesh)
-        else self._replicated(x), tree)
+
+    def place(x):
+      if isinstance(x, jax.core.Tracer) or (
+          isinstance(x, jax.Array) and isinstance(x.sharding, NamedSharding)
+          and x.sharding.mesh == mesh):
+        return x
+      return self._replicated(x)
+
+    return jax.tree.map(place, tree)
 
   # --- public ---------------------------------------------------------------
 
