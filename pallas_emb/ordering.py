@@ -6,7 +6,7 @@ loss linear in the embeddings has gradients that never read them -- nothing
 orders the reads before the write, and XLA keeps both by copying the whole
 table (twice per step, measured). An `optimization_barrier` orders nothing
 once XLA expands it; a data dependence does. `after` adds one that costs a
-scalar: the update's int32 input gets `int(read * 0)` of one element of each
+scalar: the update's int32 input gets `int(read * 0)` of two elements of each
 read, always 0.
 """
 
