@@ -1,0 +1,96 @@
+"""Temporary bytes and step time of bench.fbgemm_compare's pallas_emb steps.
+
+    taskset -c 0 python -m bench.step_temps
+    MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=1000000000000 \
+        taskset -c 0 python -m bench.step_temps
+
+Per case (`workload/case`, the workloads and cases of
+`bench.fbgemm_compare`, f32, one thread): the compiled step's
+`memory_analysis().temp_size_in_bytes` (what XLA:CPU allocates as one block
+per run; glibc serves a block over 32 MB from fresh pages unless malloc keeps
+its memory) and the median of `--steps` step times after `--warmup`. Prints
+one JSON line per case and the `MALLOC_*` environment it ran under.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+from absl import app
+from absl import flags
+
+# Its --steps and --warmup flags time these steps too.
+from bench.fbgemm_compare import _STEPS, _WARMUP, base_case, pallas_step
+
+_CASES = flags.DEFINE_list(
+    "cases", ["a:1000000:16384:1:pooled_map", "a:1000000:16384:1:pooled_fit_map",
+              "b:1000000:16384:20:pooled_map",
+              "b:1000000:16384:20:pooled_fit_map",
+              "b:1000000:16384:20:pooled_fit",
+              "c:10000000:65536:1:sequence_map",
+              "c:10000000:65536:1:pooled_map",
+              "c:10000000:65536:1:pooled_fit_map"],
+    "name:rows:batch:bag:case (case as in bench.fbgemm_compare).")
+
+
+def run_case(spec: str, jax, jnp, np, pe) -> dict:
+  # pylint: disable=g-import-not-at-top
+  from pallas_emb.datasets import zipf_ids
+  name, rows, batch, bag, kind = spec.split(":")
+  rows, batch, bag = int(rows), int(batch), int(bag)
+  width = 64
+  rng = np.random.default_rng(0)
+  table_spec = pe.TableSpec("t", rows, width, dtype=jnp.float32,
+                            optimizer=pe.RowwiseAdagrad(0.01, eps=1e-8))
+  sequence = base_case(kind) == "sequence"
+  coll = pe.EmbeddingCollection(
+      [table_spec], [pe.FeatureSpec("f", "t",
+                                    combiner=None if sequence else "sum")],
+      jax.make_mesh((1,), ("x",)), "x", backend="xla",
+      dedup="slot_map" if kind.endswith("_map") else "sort")
+  table = jax.random.normal(jax.random.key(0), (rows, width)) * width**-0.5
+  state = coll.state_from_arrays({"t": table})
+  del table
+  ids = zipf_ids(rng, rows - 1, batch * bag, 1.05).astype(np.int32)
+  ids = jax.device_put(ids.reshape(batch) if sequence else
+                       ids.reshape(batch, bag))
+  if base_case(kind, fit=False).endswith("_fit"):
+    coll = coll.fit_max_unique([{"f": ids}], headroom=1.25)
+  cotangent = jax.device_put(
+      rng.standard_normal((batch, width), np.float32))
+  compiled = pallas_step(coll, jax, jnp).lower(state, ids,
+                                                    cotangent).compile()
+  temp = compiled.memory_analysis().temp_size_in_bytes
+  times = []
+  for i in range(_WARMUP.value + _STEPS.value):
+    t0 = time.perf_counter()
+    state, loss = compiled(state, ids, cotangent)
+    jax.block_until_ready(loss)
+    if i >= _WARMUP.value:
+      times.append(time.perf_counter() - t0)
+  return {"case": f"{name}/{kind}", "temp_mb": temp / 2**20,
+          "median_ms": 1e3 * float(np.median(times)),
+          "min_ms": 1e3 * min(times)}
+
+
+def main(argv):
+  del argv
+  os.environ["JAX_PLATFORMS"] = "cpu"
+  os.environ["XLA_FLAGS"] = " ".join(
+      os.environ.get("XLA_FLAGS", "").split()
+      + ["--xla_cpu_multi_thread_eigen=false"])
+  # pylint: disable=g-import-not-at-top
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  import pallas_emb as pe
+  malloc = {k: v for k, v in os.environ.items() if k.startswith("MALLOC_")}
+  for spec in _CASES.value:
+    print(json.dumps({**run_case(spec, jax, jnp, np, pe),
+                      "malloc_env": malloc}), flush=True)
+
+
+if __name__ == "__main__":
+  app.run(main)
