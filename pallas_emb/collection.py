@@ -538,15 +538,7 @@ class EmbeddingCollection:
     """Host-side: `{table: distinct rows one batch trains}`, counted as
     the stack's dedup counts them (ids wrapped once; padding, ids outside
     the table and weight-0 entries take no slot). Reads the ids back."""
-    inputs = self._read(batch)
-    rows = {name: [] for name in self.tables}
-    for layout in self._layouts(inputs.shapes(), inputs.implicit):
-      for f in layout.features:
-        keys = np.asarray(jax.device_get(stack_lib.entry_keys(
-            f, inputs.ids[f.name], inputs.weights.get(f.name))))
-        rows[self.features[f.name].table].append(keys[keys >= 0])
-    return {name: int(np.unique(np.concatenate(r)).size)
-            for name, r in rows.items()}
+    return fitting.distinct_rows(self, batch)
 
   def fit_max_unique(self, batches: Sequence[Mapping[str, Any]], *,
                      headroom: float = 1.25) -> EmbeddingCollection:

@@ -12,9 +12,25 @@ import dataclasses
 import math
 import numbers
 
+import jax
 import numpy as np
 
+from pallas_emb import inputs as inputs_lib
+from pallas_emb import stack as stack_lib
 from pallas_emb.errors import InputError
+
+
+def distinct_rows(coll, batch) -> dict[str, int]:
+  """`{table: distinct rows one batch trains}` (`coll.distinct_rows`)."""
+  inputs = inputs_lib.read_batch(coll, batch)
+  rows = {name: [] for name in coll.tables}
+  for layout in coll.layouts(batch):
+    for f in layout.features:
+      keys = np.asarray(jax.device_get(stack_lib.entry_keys(
+          f, inputs.ids[f.name], inputs.weights.get(f.name))))
+      rows[coll.features[f.name].table].append(keys[keys >= 0])
+  return {name: int(np.unique(np.concatenate(r)).size)
+          for name, r in rows.items()}
 
 
 def fit_caps(coll, field: str, count, batches, headroom, placements):
