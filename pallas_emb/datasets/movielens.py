@@ -20,6 +20,7 @@ from typing import Mapping, Sequence
 import numpy as np
 
 from pallas_emb.datasets import files
+from pallas_emb.datasets import recbole
 from pallas_emb.datasets.dataset import Dataset
 from pallas_emb.datasets.dataset import DataError
 
@@ -35,10 +36,6 @@ _HINT = ("pass --data_path or `pip download --no-deps recbole==1.2.1 "
          "-d ~/.cache/pallas_emb`")
 
 _MIN_RATING, _MAX_RATING = 0.5, 5.0
-
-
-def _short(line: str, limit: int = 80) -> str:
-  return repr(line if len(line) <= limit else line[:limit] + "...")
 
 
 def _parse_int_id(token: str, what: str, where: str) -> int:
@@ -72,7 +69,7 @@ def _header_columns(header: str, origin: str) -> tuple[int, int, int, int]:
   wanted = ("user_id", "item_id", "rating")
   missing = [w for w in wanted if w not in names]
   if missing:
-    raise DataError(f"{origin}:1: RecBole header {_short(header)} lacks "
+    raise DataError(f"{origin}:1: RecBole header {recbole.short(header)} lacks "
                     f"column(s) {', '.join(missing)}; expected user_id:token, "
                     "item_id:token and rating:float.")
   user, item, rating = (names.index(w) for w in wanted)
@@ -111,7 +108,7 @@ def parse_ratings(text: str, origin: str
     fields = line.rstrip("\r\n").split("\t")
     if len(fields) != num_cols:
       raise DataError(f"{where}: expected {num_cols} {what}, got "
-                      f"{len(fields)}: {_short(line)}.")
+                      f"{len(fields)}: {recbole.short(line)}.")
     users.append(_parse_int_id(fields[user_col], "user id", where))
     items.append(_parse_int_id(fields[item_col], "item id", where))
     ratings.append(_parse_rating(fields[rating_col], where))
@@ -290,30 +287,16 @@ def _read_side(source: str, kind: str) -> tuple[str, str]:
 def _parse_atomic(text: str, origin: str, wanted: Sequence[str]
                   ) -> list[tuple[int, dict[str, str]]]:
   """(line number, {column: token}) of each row of a RecBole atomic file."""
-  lines = text.splitlines()
-  rows_at = [n for n, line in enumerate(lines) if line.strip()]
-  if not rows_at:
-    raise DataError(f"{origin}: empty; expected a RecBole atomic file with "
-                    f"columns {', '.join(wanted)}.")
-  header = lines[rows_at[0]]
-  names = [field.split(":", 1)[0].strip() for field in header.split("\t")]
-  missing = [w for w in wanted if w not in names]
-  if ":" not in header or missing:
-    raise DataError(
-        f"{origin}:{rows_at[0] + 1}: RecBole header {_short(header)} lacks "
-        f"column(s) {', '.join(missing or wanted)}; expected "
-        f"{', '.join(wanted)}.")
+  lines, body, names = recbole.header(text, origin, wanted)
   cols = [names.index(w) for w in wanted]
   rows = []
-  for n in rows_at[1:]:
+  for n in body:
     fields = lines[n].rstrip("\r\n").split("\t")
     if len(fields) != len(names):
       raise DataError(f"{origin}:{n + 1}: expected {len(names)} tab-separated "
                       f"columns as in the header, got {len(fields)}: "
-                      f"{_short(lines[n])}.")
+                      f"{recbole.short(lines[n])}.")
     rows.append((n + 1, {w: fields[c].strip() for w, c in zip(wanted, cols)}))
-  if not rows:
-    raise DataError(f"{origin}: header but no rows.")
   return rows
 
 

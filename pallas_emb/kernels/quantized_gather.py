@@ -57,14 +57,10 @@ def resolve_config(config: QuantizedGatherConfig | None, num_ids: int,
   the f32 tile.
   """
   config = config or QuantizedGatherConfig()
-  block_cols = config.block_cols or common.block_cols_for(width, 1,
-                                                          _MAX_ROW_COLS)
-  block_rows = config.block_rows or common.block_rows_for(
-      num_ids, block_cols, 1, tile_bytes=tile_elements,
-      min_programs=_MIN_PROGRAMS, col_blocks=pl.cdiv(width, block_cols))
-  num_warps = config.num_warps or common.num_warps_for(
-      block_rows * block_cols, 1)
-  return QuantizedGatherConfig(block_rows, block_cols, num_warps,
+  return QuantizedGatherConfig(*common.fill_tile(
+      config.block_rows, config.block_cols, config.num_warps,
+      num_rows=num_ids, width=width, itemsize=1, tile_bytes=tile_elements,
+      max_row_bytes=_MAX_ROW_COLS, min_programs=_MIN_PROGRAMS),
                                config.num_stages)
 
 
@@ -124,19 +120,11 @@ def gather_dequantized(codes: jax.Array, scale: jax.Array, bias: jax.Array,
       _kernel, num_ids=num_ids, vocab_rows=vocab_rows, width=width,
       block_rows=config.block_rows, block_cols=config.block_cols,
       interpret=interpret)
-  with common.quiet_triton_deprecation():
-    out = pl.pallas_call(
-        kernel,
-        out_shape=jax.ShapeDtypeStruct((num_ids * width,), jnp.float32),
-        grid=(pl.cdiv(num_ids, config.block_rows),
-              pl.cdiv(width, config.block_cols)),
-        interpret=interpret,
-        compiler_params=plgpu.CompilerParams(num_warps=config.num_warps,
-                                             num_stages=config.num_stages),
-        name="pallas_emb_quantized_gather",
-    )(ids, codes.reshape(-1), scale.astype(jnp.float32),
-      bias.astype(jnp.float32))
-  return out.reshape(num_ids, width)
+  return common.call_row_tiles(
+      kernel, ids, codes.reshape(-1), scale.astype(jnp.float32),
+      bias.astype(jnp.float32), num_rows=num_ids, width=width,
+      dtype=jnp.float32, block_rows=config.block_rows, config=config,
+      name="pallas_emb_quantized_gather", interpret=interpret)
 
 
 # --------------------------------------------------------------------------
@@ -188,16 +176,9 @@ def pool_dequantized(codes: jax.Array, scale: jax.Array, bias: jax.Array,
       _pool_kernel, num_bags=num_bags, vocab_rows=vocab_rows, width=width,
       max_len=max_len, block_bags=config.block_rows,
       block_cols=config.block_cols, interpret=interpret)
-  with common.quiet_triton_deprecation():
-    out = pl.pallas_call(
-        kernel,
-        out_shape=jax.ShapeDtypeStruct((num_bags * width,), jnp.float32),
-        grid=(pl.cdiv(num_bags, config.block_rows),
-              pl.cdiv(width, config.block_cols)),
-        interpret=interpret,
-        compiler_params=plgpu.CompilerParams(num_warps=config.num_warps,
-                                             num_stages=config.num_stages),
-        name="pallas_emb_quantized_pool",
-    )(bag_starts, rows, weights.astype(jnp.float32), codes.reshape(-1),
-      scale.astype(jnp.float32), bias.astype(jnp.float32))
-  return out.reshape(num_bags, width)
+  return common.call_row_tiles(
+      kernel, bag_starts, rows, weights.astype(jnp.float32),
+      codes.reshape(-1), scale.astype(jnp.float32), bias.astype(jnp.float32),
+      num_rows=num_bags, width=width, dtype=jnp.float32,
+      block_rows=config.block_rows, config=config,
+      name="pallas_emb_quantized_pool", interpret=interpret)

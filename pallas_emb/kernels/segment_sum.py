@@ -98,17 +98,15 @@ def resolve_config(config: SegmentSumConfig | None, num_rows: int,
   """
   config = config or SegmentSumConfig()
   f32 = 4
-  block_cols = config.block_cols or common.block_cols_for(
-      width, f32, _MAX_ROW_BYTES)
-  block_segments = config.block_segments or common.block_rows_for(
-      num_segments, block_cols, f32, tile_bytes=_SEGMENT_TILE_BYTES,
-      min_programs=_MIN_PROGRAMS)
+  block_segments, block_cols, num_warps = common.fill_tile(
+      config.block_segments, config.block_cols, config.num_warps,
+      num_rows=num_segments, width=width, itemsize=f32,
+      tile_bytes=_SEGMENT_TILE_BYTES, max_row_bytes=_MAX_ROW_BYTES,
+      min_programs=_MIN_PROGRAMS, split_cols=False)
   piece_rows = config.piece_rows or 32
   piece_block_rows = config.piece_block_rows or min(piece_rows, max(
       1, common.pow2_floor(_PIECE_TILE_BYTES // (block_cols * f32))))
   del num_rows  # the pieces are sized by the chains, not by N
-  num_warps = config.num_warps or common.num_warps_for(
-      block_segments * block_cols, f32)
   piece_num_warps = config.piece_num_warps or common.num_warps_for(
       min(piece_block_rows, piece_rows) * block_cols, f32)
   return SegmentSumConfig(piece_rows, block_segments, block_cols,

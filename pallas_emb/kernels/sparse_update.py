@@ -106,14 +106,12 @@ def resolve_config(config: SparseUpdateConfig | None, num_unique: int,
                    width: int) -> SparseUpdateConfig:
   """`config` with every None field filled in by the shape heuristic."""
   config = config or SparseUpdateConfig()
-  f32 = 4  # the update is computed in f32 whatever the table dtype
-  block_cols = config.block_cols or common.block_cols_for(
-      width, f32, _MAX_ROW_BYTES)
-  block_rows = config.block_rows or common.block_rows_for(
-      num_unique, block_cols, f32, tile_bytes=_TILE_BYTES,
-      min_programs=_MIN_PROGRAMS)
-  num_warps = config.num_warps or common.num_warps_for(
-      block_rows * block_cols, f32)
+  # The update is computed in f32 whatever the table dtype.
+  block_rows, block_cols, num_warps = common.fill_tile(
+      config.block_rows, config.block_cols, config.num_warps,
+      num_rows=num_unique, width=width, itemsize=4, tile_bytes=_TILE_BYTES,
+      max_row_bytes=_MAX_ROW_BYTES, min_programs=_MIN_PROGRAMS,
+      split_cols=False)
   return dataclasses.replace(config, block_rows=block_rows,
                              block_cols=block_cols, num_warps=num_warps)
 
