@@ -182,11 +182,12 @@ class FeaturesConfig(TrainConfig):
 
 @dataclasses.dataclass(frozen=True)
 class SeqRecConfig:
-  """The MovieLens-1M next-item model (examples/seqrec): SASRec over a table.
+  """The MovieLens-1M next-item model (examples/seqrec): SASRec or HSTU over
+  a table.
 
   Not a TrainConfig: none of the rating model's fields apply. Defaults are
   the HSTU repository's SASRec setup (configs/movielens_1m.py says where
-  ours differs).
+  ours differs; configs/movielens_1m_hstu.py is its HSTU).
   """
 
   # --- data ---

@@ -184,7 +184,7 @@ def _hstu(length=8, heads=2):
   items = rng.normal(size=(3, length, 8)).astype(np.float32)
   times = np.sort(rng.integers(0, 10**7, (3, length + 1)), axis=1)
   valid = np.ones((3, length), bool)
-  params = encoder.init(jax.random.key(0), items, valid, None, times)
+  params = jax.jit(encoder.init)(jax.random.key(0), items, valid, None, times)
   # Random relative-bias weights (their init is small) so that positions
   # and times visibly move the outputs.
   params = jax.tree_util.tree_map_with_path(
@@ -270,6 +270,12 @@ class ConfigTest(absltest.TestCase):
     # The rating models' flags are not the sequence model's.
     with self.assertRaises(flags.Error):
       cli.parse_config(["train", f"--config={CONFIG}", "--emb_width=8"])
+
+  def test_hstu_config_is_the_sasrec_config_with_hstu(self):
+    hstu_config = load_config(os.path.join(os.path.dirname(CONFIG),
+                                           "movielens_1m_hstu.py"))
+    self.assertEqual(hstu_config, dataclasses.replace(load_config(CONFIG),
+                                                      encoder="hstu"))
 
   def test_bad_values_raise_config_error_before_loading(self):
     for field, value, match in (

@@ -59,8 +59,8 @@ class SeqData:
   validation history is the training items, the test history adds the
   validation item). times, `<split>_times`: `[U, L + 1]` timestamps of
   the inputs / history and, last, of the item the last position predicts
-  (HSTU reads them: hstu.HSTU). item_rows: `[V]` or `[V, 2]`, the table row(s) of each
-  item id 0..V-1 (the identity, or its hashed ids).
+  (HSTU reads them: hstu.HSTU). item_rows: `[V]` or `[V, 2]`, the table
+  row(s) of each item id 0..V-1 (the identity, or its hashed ids).
   """
   inputs: np.ndarray
   targets: np.ndarray

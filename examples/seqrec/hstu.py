@@ -126,9 +126,12 @@ class HSTU(model_lib.Encoder):
     causal = jnp.tril(jnp.ones((length, length), bool))
     # [B, 1, L, L]: the heads share the mask and the bias (hstu.py:209-211).
     keep = (causal[None] & valid[:, None, :])[:, None].astype(jnp.float32)
+
+    def split(a):  # [B, L, heads * w] -> [B, L, heads, w]
+      return a.reshape(a.shape[:2] + (heads, -1))
+
     for i in range(self.num_blocks):
       u, v, q, k = jnp.split(nn.silu(self.norm(x) @ self.uvqk[i]), 4, axis=-1)
-      split = lambda a: a.reshape(a.shape[:2] + (heads, -1))
       scores = jnp.einsum("bnhd,bmhd->bhnm", split(q), split(k))
       bias = relative_bias(self.pos_w[i], self.ts_w[i], times)
       attn = nn.silu(scores + bias[:, None]) / self.max_len * keep
