@@ -182,11 +182,12 @@ class FeaturesConfig(TrainConfig):
 
 @dataclasses.dataclass(frozen=True)
 class SeqRecConfig:
-  """The MovieLens-1M next-item model (examples/seqrec): SASRec over a table.
+  """The MovieLens-1M next-item model (examples/seqrec): SASRec or HSTU over
+  a table.
 
   Not a TrainConfig: none of the rating model's fields apply. Defaults are
   the HSTU repository's SASRec setup (configs/movielens_1m.py says where
-  ours differs).
+  ours differs; configs/movielens_1m_hstu.py is its HSTU).
   """
 
   # --- data ---
@@ -208,12 +209,17 @@ class SeqRecConfig:
       "validation metrics then see their target in training: only test is "
       "meaningful). Default: train on the training items only.")
 
-  # --- model: SASRec (causal self-attention) ---
+  # --- model: SASRec (causal self-attention) or HSTU ---
+  encoder: str = _field(
+      "sasrec", "Sequence encoder: 'sasrec' or 'hstu' (HSTU's SiLU attention "
+      "with relative position and time biases, examples/seqrec/hstu.py).")
   emb_dim: int = _field(50, "Item embedding and model width d; the table "
                         "width is d rounded up to a multiple of the devices.")
   num_blocks: int = _field(2, "Self-attention blocks.")
-  num_heads: int = _field(1, "Attention heads (divides emb_dim).")
-  dropout: float = _field(0.2, "Dropout rate (input, attention, FFN).")
+  num_heads: int = _field(1, "Attention heads (divides emb_dim; HSTU's "
+                          "dqk = dv = emb_dim / num_heads).")
+  dropout: float = _field(0.2, "Dropout rate (SASRec: input, attention, "
+                          "FFN; HSTU: input, linear).")
   init_std: float = _field(0.02, "Truncated-normal std of the item table.")
   hashed: bool = _field(
       False, "Items as 2 hashed ids (pallas_emb.hash_ids) into a table of "

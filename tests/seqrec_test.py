@@ -23,6 +23,7 @@ from examples.config import ConfigError
 from examples.config import load_config
 from examples.config import SeqRecConfig
 from examples.seqrec import data as data_lib
+from examples.seqrec import hstu
 from examples.seqrec import model as model_lib
 from pallas_emb import datasets
 from pallas_emb.datasets import movielens1m as ml1m
@@ -33,6 +34,11 @@ CONFIG = os.path.join(os.path.dirname(os.path.dirname(
 _ROWS = ([("u1", f"i{k}", 3, k) for k in (1, 2, 3, 4, 5, 6)]
          + [("u2", f"i{k}", 4, 10 + k) for k in (7, 3, 8, 1)]
          + [("u3", f"i{k}", 5, 20 + k) for k in (2, 4, 6, 8, 9)])
+
+
+def _toy_times(u):
+  """The toy user u's (1-based) timestamps, in time order."""
+  return sorted(r[3] for r in _ROWS if r[0] == f"u{u}")
 
 
 def _toy():
@@ -68,6 +74,12 @@ class DataTest(absltest.TestCase):
       self.assertEqual(data.valid_targets[u], seq[-2])
       self.assertEqual(data.test_history[u].tolist(), _last(seq[:-1], width))
       self.assertEqual(data.test_targets[u], seq[-1])
+      # Times: one more column, the last the predicted item's.
+      times = _toy_times(u + 1)
+      self.assertEqual(data.times[u].tolist(), _last(times[:-2], width + 1))
+      self.assertEqual(data.valid_times[u].tolist(),
+                       _last(times[:-1], width + 1))
+      self.assertEqual(data.test_times[u].tolist(), _last(times, width + 1))
     on_valid = data_lib.from_sequences(seqs, max_len=width,
                                        train_on_valid=True)
     self.assertEqual(on_valid.inputs[0].tolist(),
@@ -90,12 +102,15 @@ class DataTest(absltest.TestCase):
         self.assertEqual(batch[model_lib.NEGATIVES].shape, (2, 3))
         self.assertTrue((batch[model_lib.NEGATIVES] >= 1).all())
         self.assertTrue((batch[model_lib.NEGATIVES] <= seqs.num_items).all())
-        for row, pos in zip(history, batch[model_lib.POS_ITEMS]):
+        for row, pos, times in zip(history, batch[model_lib.POS_ITEMS],
+                                   batch[model_lib.TIMES]):
           if not row.any() and not pos.any():
             continue  # a filler row
           (u,) = [u for u in range(3) if
                   data.inputs[u, -row.size:].tolist() == row.tolist()]
           self.assertEqual(pos.tolist(), data.targets[u, -row.size:].tolist())
+          self.assertEqual(times.tolist(),
+                           data.times[u, -row.size - 1:].tolist())
           # A user's bucket is the shortest that holds all its positions.
           self.assertEqual(row.size, 4 if u == 0 else 2)
           seen.append(u)
@@ -146,6 +161,101 @@ class LossTest(absltest.TestCase):
     self.assertTrue(np.isfinite(np.asarray(grad)).all())
 
 
+def _reference_bias(pos_w, ts_w, all_timestamps):
+  """RelativeBucketedTimeAndPositionBasedBias.forward of the HSTU
+  repository (hstu.py:111-143, bucketization_fn of 611-613) in numpy."""
+  b, n = all_timestamps.shape
+  t = np.tile(np.pad(pos_w[:2 * n - 1], (0, n)), n)
+  t = t[:-n].reshape(1, n, 3 * n - 2)
+  r = (2 * n - 1) // 2
+  ext = np.concatenate([all_timestamps, all_timestamps[:, n - 1:n]], axis=1)
+  diff = ext[:, 1:, None] - ext[:, None, :-1]
+  buckets = (np.log(np.maximum(np.abs(diff), 1).astype(np.float32))
+             / np.float32(0.301)).astype(np.int64)
+  buckets = np.clip(buckets, 0, hstu.NUM_TIME_BUCKETS)
+  assert t[:, :, r:-r].shape == (1, n, n)
+  return t[:, :, r:-r] + ts_w[buckets.reshape(-1)].reshape(b, n, n), buckets
+
+
+def _hstu(length=8, heads=2):
+  encoder = hstu.HSTU(dim=8, max_len=length, num_blocks=2, num_heads=heads,
+                      dropout=0.2)
+  rng = np.random.default_rng(0)
+  items = rng.normal(size=(3, length, 8)).astype(np.float32)
+  times = np.sort(rng.integers(0, 10**7, (3, length + 1)), axis=1)
+  valid = np.ones((3, length), bool)
+  params = jax.jit(encoder.init)(jax.random.key(0), items, valid, None, times)
+  # Random relative-bias weights (their init is small) so that positions
+  # and times visibly move the outputs.
+  params = jax.tree_util.tree_map_with_path(
+      lambda path, w: (jnp.asarray(rng.normal(size=w.shape), w.dtype)
+                       if "_w_" in jax.tree_util.keystr(path) else w), params)
+  apply = jax.jit(lambda i, v, t: encoder.apply(params, i, v, None, t))
+  return apply, items, valid, times
+
+
+class HstuTest(absltest.TestCase):
+
+  def test_relative_bias_matches_reference(self):
+    rng = np.random.default_rng(1)
+    b, n = 4, 12
+    # Gaps of 0 (equal timestamps), seconds, days and years.
+    gaps = rng.choice([0, 0, 1, 7, 3600, 86_400 * 40, 3 * 10**7], (b, n))
+    ts = np.cumsum(gaps, axis=1) + 956_703_932  # ML-1M's first second
+    ts[0, :5] = 0  # padding (left, as our rows; theirs pad on the right)
+    ts[1, -3:] = 0
+    pos_w = rng.normal(size=2 * n - 1).astype(np.float32)
+    ts_w = rng.normal(size=hstu.NUM_TIME_BUCKETS + 1).astype(np.float32)
+    want, want_buckets = _reference_bias(pos_w, ts_w, ts)
+    self.assertGreater(len(np.unique(want_buckets)), 5)
+    ext = np.concatenate([ts, ts[:, -1:]], axis=1)  # their ext_timestamps
+    got_buckets = hstu.time_buckets(
+        jnp.asarray(ext[:, 1:, None] - ext[:, None, :-1]))
+    np.testing.assert_array_equal(got_buckets, want_buckets)
+    got = hstu.relative_bias(jnp.asarray(pos_w), jnp.asarray(ts_w), ext)
+    np.testing.assert_array_equal(got, want)
+    # A shorter (bucketed) window gets the same bias as the full width.
+    np.testing.assert_array_equal(
+        hstu.relative_bias(jnp.asarray(pos_w), jnp.asarray(ts_w),
+                           ext[:, -6:]), want[:, -5:, -5:])
+
+  def test_causal_up_to_the_next_timestamp(self):
+    apply, items, valid, times = _hstu()
+    base = np.asarray(apply(items, valid, times))
+    rng = np.random.default_rng(2)
+    for t in range(items.shape[1]):
+      # Position t reads items ..t and times ..t + 1 (the time of the item
+      # it predicts, as the reference): nothing later moves it.
+      later_items = items.copy()
+      later_items[:, t + 1:] = rng.normal(size=later_items[:, t + 1:].shape)
+      later_times = times.copy()
+      later_times[:, t + 2:] += 10**8
+      out = np.asarray(apply(later_items, valid, later_times))
+      np.testing.assert_array_equal(out[:, :t + 1], base[:, :t + 1])
+      if t + 1 < items.shape[1]:
+        self.assertFalse(np.allclose(out[:, t + 1], base[:, t + 1]))
+      # ...but its own item and the next timestamp do.
+      now_times = times.copy()
+      now_times[:, t + 1] += 10**7
+      self.assertFalse(np.allclose(
+          np.asarray(apply(items, valid, now_times))[:, t], base[:, t]))
+
+  def test_padding_does_not_reach_valid_positions(self):
+    apply, items, valid, times = _hstu()
+    valid[0, :3] = False  # left padding, as data.right_aligned
+    valid[1, :7] = False
+    base = np.asarray(apply(items, valid, times))
+    noisy_items = items + 100 * (~valid)[..., None]
+    noisy_times = times.copy()
+    noisy_times[:, :-1][~valid] = 12345
+    noisy = np.asarray(apply(noisy_items, valid, noisy_times))
+    np.testing.assert_array_equal(noisy[valid], base[valid])
+    np.testing.assert_array_equal(base[~valid], 0.0)
+    # A row cut to its valid columns (a length bucket) reads the same.
+    short = np.asarray(apply(items[:1, 3:], valid[:1, 3:], times[:1, 3:]))
+    np.testing.assert_allclose(short[0], base[0, 3:], rtol=1e-5, atol=1e-6)
+
+
 class ConfigTest(absltest.TestCase):
 
   def test_fields_are_flags_of_the_config_file(self):
@@ -161,12 +271,19 @@ class ConfigTest(absltest.TestCase):
     with self.assertRaises(flags.Error):
       cli.parse_config(["train", f"--config={CONFIG}", "--emb_width=8"])
 
+  def test_hstu_config_is_the_sasrec_config_with_hstu(self):
+    hstu_config = load_config(os.path.join(os.path.dirname(CONFIG),
+                                           "movielens_1m_hstu.py"))
+    self.assertEqual(hstu_config, dataclasses.replace(load_config(CONFIG),
+                                                      encoder="hstu"))
+
   def test_bad_values_raise_config_error_before_loading(self):
     for field, value, match in (
         ("length_buckets", "128,64", "ascending"),
         ("length_buckets", "64,200", r"\[1, 200\)"),
         ("emb_optimizer", "adagrad", "one of"),
         ("num_heads", 3, "divisor of --emb_dim=50"),
+        ("encoder", "transformer", r"one of \('sasrec', 'hstu'\)"),
         ("dropout", 1.0, r"\[0, 1\)")):
       config = dataclasses.replace(SeqRecConfig(data_path="/nonexistent"),
                                    **{field: value})

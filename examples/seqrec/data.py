@@ -32,13 +32,20 @@ def first_users(seqs: Sequences, count: int) -> Sequences:
       user_names=seqs.user_names[:count + 1])
 
 
-def right_aligned(seqs: Sequences, width: int) -> np.ndarray:
-  """int32 `[num_users, width]`: each user's last items, newest last."""
+def right_aligned(seqs: Sequences, width: int,
+                  times: bool = False) -> np.ndarray:
+  """int32 `[num_users, width]`: each user's last items (their timestamps
+  with `times`), newest last."""
+  values = seqs.timestamps if times else seqs.items
+  if times and values.size and not 0 <= values.min() <= values.max() < 2**31:
+    raise datasets.DataError(
+        f"seqrec: timestamps in [{values.min()}, {values.max()}]; expected "
+        "seconds in [0, 2**31) (the model reads them as int32).")
   keep = np.minimum(seqs.lengths, width)
   column = np.arange(width)
   inside = column >= (width - keep)[:, None]
   index = seqs.offsets[1:, None] - width + column
-  return np.where(inside, seqs.items[np.where(inside, index, 0)],
+  return np.where(inside, values[np.where(inside, index, 0)],
                   0).astype(np.int32)
 
 
@@ -50,8 +57,10 @@ class SeqData:
   item after its input; 0 where the input is padding). `<split>_history`:
   `[U, L]` what the model reads to predict `<split>_targets` `[U]` (the
   validation history is the training items, the test history adds the
-  validation item). item_rows: `[V]` or `[V, 2]`, the table row(s) of each
-  item id 0..V-1 (the identity, or its hashed ids).
+  validation item). times, `<split>_times`: `[U, L + 1]` timestamps of
+  the inputs / history and, last, of the item the last position predicts
+  (HSTU reads them: hstu.HSTU). item_rows: `[V]` or `[V, 2]`, the table
+  row(s) of each item id 0..V-1 (the identity, or its hashed ids).
   """
   inputs: np.ndarray
   targets: np.ndarray
@@ -59,6 +68,9 @@ class SeqData:
   valid_targets: np.ndarray
   test_history: np.ndarray
   test_targets: np.ndarray
+  times: np.ndarray
+  valid_times: np.ndarray
+  test_times: np.ndarray
   num_items: int
   item_rows: np.ndarray
 
@@ -97,7 +109,11 @@ def from_sequences(seqs: Sequences, *, max_len: int, train_on_valid: bool,
       valid_history=right_aligned(split.train, max_len),
       valid_targets=split.valid,
       test_history=right_aligned(seqs.drop_last(1), max_len),
-      test_targets=split.test, num_items=seqs.num_items, item_rows=item_rows)
+      test_targets=split.test,
+      times=right_aligned(train, max_len + 1, times=True),
+      valid_times=right_aligned(seqs.drop_last(1), max_len + 1, times=True),
+      test_times=right_aligned(seqs, max_len + 1, times=True),
+      num_items=seqs.num_items, item_rows=item_rows)
 
 
 def bucket_of(data: SeqData, buckets: tuple[int, ...]) -> np.ndarray:
@@ -126,7 +142,8 @@ def batches(data: SeqData, *, batch_size: int, num_negatives: int,
   square of the length. The batches of an epoch come in random order; the
   last batch of each bucket is filled with all-padding rows (no loss).
   Negatives are uniform over the items, `[B, N]` per example, drawn with
-  replacement. "step" counts batches (the model's dropout key).
+  replacement. "step" counts batches (the model's dropout key). "times"
+  holds one more column than the history (the targets' times).
   """
   rng = np.random.default_rng([seed, 2])
   buckets = buckets or (data.inputs.shape[1],)
@@ -144,11 +161,12 @@ def batches(data: SeqData, *, batch_size: int, num_negatives: int,
       real = (chunk >= 0)[:, None]
       history = np.where(real, data.inputs[chunk, -length:], 0)
       positives = np.where(real, data.targets[chunk, -length:], 0)
+      times = np.where(real, data.times[chunk, -length - 1:], 0)
       negatives = rng.integers(1, data.num_items + 1,
                                (batch_size, num_negatives)).astype(np.int32)
       rows = data.item_rows
       yield {model.HISTORY: rows[history], model.POSITIVES: rows[positives],
              model.NEGATIVES: rows[negatives], model.POS_ITEMS: positives,
-             model.NEG_ITEMS: negatives,
+             model.NEG_ITEMS: negatives, model.TIMES: times,
              model.STEP: np.full(batch_size, step, np.int32)}
       step += 1

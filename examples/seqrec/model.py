@@ -4,7 +4,8 @@
 `dim` columns, or with hashed ids the two rows concatenated and projected
 to `dim`), learned positions and the causal self-attention blocks of
 SASRec as the HSTU repository writes them (pre-LN queries, residual from
-the normalised queries, a point-wise FFN, a last LayerNorm). `SeqRec` is
+the normalised queries, a point-wise FFN, a last LayerNorm); hstu.py's
+`HSTU` subclasses it with HSTU's blocks instead. `SeqRec` is
 what `FlaxTrainer` trains: one `pallas_emb.flax.EmbeddingCollection` looks
 the history, the positive targets and the negatives up in the same table,
 so all their gradients reach the sparse update; the encoder does the rest.
@@ -23,10 +24,11 @@ import jax.numpy as jnp
 
 from pallas_emb import flax as pe_flax
 
-# Batch keys: the table's features, the raw item ids, the dropout seed.
+# Batch keys: the table's features, the raw item ids, the dropout seed,
+# the timestamps (`[B, L + 1]`: the history's and the next item's).
 HISTORY, POSITIVES, NEGATIVES = "history", "positives", "negatives"
 FEATURES = (HISTORY, POSITIVES, NEGATIVES)
-POS_ITEMS, NEG_ITEMS, STEP = "pos_items", "neg_items", "step"
+POS_ITEMS, NEG_ITEMS, STEP, TIMES = "pos_items", "neg_items", "step", "times"
 # A negative equal to the position's positive gets this logit (as HSTU).
 _SAME_ITEM_LOGIT = -5e4
 
@@ -36,6 +38,19 @@ def l2_normalize(x: jax.Array, eps: float = 1e-6) -> jax.Array:
   # padding position) is NaN, and 0 * NaN would poison the loss.
   squared = jnp.sum(x * x, axis=-1, keepdims=True)
   return x * jax.lax.rsqrt(jnp.maximum(squared, eps * eps))
+
+
+def split_keys(key: jax.Array | None, count: int):
+  """An iterator of `count` dropout keys (Nones for a deterministic pass)."""
+  return iter(jax.random.split(key, count) if key is not None
+              else [None] * count)
+
+
+def dropout(x: jax.Array, rate: float, key: jax.Array | None) -> jax.Array:
+  if key is None or not rate:
+    return x
+  keep = jax.random.bernoulli(key, 1.0 - rate, x.shape)
+  return jnp.where(keep, x / (1.0 - rate), 0.0)
 
 
 class Encoder(nn.Module):
@@ -56,10 +71,8 @@ class Encoder(nn.Module):
   hashed: bool = False
 
   def setup(self):
-    if self.hashed:
-      self.item_proj = nn.Dense(self.dim, name="item_proj")
-    init = nn.initializers.truncated_normal(math.sqrt(1.0 / self.dim))
-    self.positions = self.param("positions", init, (self.max_len, self.dim))
+    self.setup_inputs(
+        nn.initializers.truncated_normal(math.sqrt(1.0 / self.dim)))
     self.attn_norms = [nn.LayerNorm(epsilon=1e-8) for _ in
                        range(self.num_blocks)]
     self.attns = [nn.MultiHeadDotProductAttention(
@@ -71,6 +84,21 @@ class Encoder(nn.Module):
     self.ffn_out = [nn.Dense(self.dim) for _ in range(self.num_blocks)]
     self.last_norm = nn.LayerNorm(epsilon=1e-8)
 
+  def setup_inputs(self, position_init) -> None:
+    """The item tower's projection and the learned positions (for setup)."""
+    if self.hashed:
+      self.item_proj = nn.Dense(self.dim, name="item_proj")
+    self.positions = self.param("positions", position_init,
+                                (self.max_len, self.dim))
+
+  def embed(self, items: jax.Array, valid: jax.Array,
+            key: jax.Array | None) -> jax.Array:
+    """The encoder's input: scaled items + positions, dropout, 0 on padding
+    (the HSTU repository's LearnablePositionalEmbeddingInputFeatures-
+    Preprocessor; positions count back from the newest item)."""
+    x = items * math.sqrt(self.dim) + self.positions[-items.shape[1]:]
+    return dropout(x, self.dropout, key) * valid[..., None].astype(jnp.float32)
+
   def items(self, rows: jax.Array) -> jax.Array:
     """Item vectors `[..., dim]` from table rows (`[..., (2,) W]`)."""
     rows = rows.astype(jnp.float32)[..., :self.dim]
@@ -79,26 +107,23 @@ class Encoder(nn.Module):
     return self.item_proj(rows.reshape(rows.shape[:-2] + (2 * self.dim,)))
 
   def __call__(self, items: jax.Array, valid: jax.Array,
-               key: jax.Array | None = None) -> jax.Array:
+               key: jax.Array | None = None,
+               times: jax.Array | None = None) -> jax.Array:
     """`[B, L, dim]` outputs (not normalised) at every position.
 
     items: `[B, L, dim]` history vectors, right-aligned (the newest at
     L - 1); valid: bool `[B, L]`, False on padding; key: dropout key, None
-    for a deterministic pass (evaluation).
+    for a deterministic pass (evaluation); times: `[B, L + 1]` timestamps
+    (see hstu.HSTU), unused by SASRec.
     """
-    keys = iter(jax.random.split(key, 2 + 3 * self.num_blocks)
-                if key is not None else [None] * (2 + 3 * self.num_blocks))
+    del times
+    keys = split_keys(key, 2 + 3 * self.num_blocks)
 
     def drop(x):
-      k = next(keys)
-      if k is None or not self.dropout:
-        return x
-      keep = jax.random.bernoulli(k, 1.0 - self.dropout, x.shape)
-      return jnp.where(keep, x / (1.0 - self.dropout), 0.0)
+      return dropout(x, self.dropout, next(keys))
 
     mask = valid[..., None].astype(jnp.float32)
-    x = items * math.sqrt(self.dim) + self.positions[-items.shape[1]:]
-    x = drop(x) * mask
+    x = self.embed(items, valid, next(keys))
     length = items.shape[1]
     causal = jnp.tril(jnp.ones((length, length), bool))
     attn_mask = (causal[None] & valid[:, None, :])[:, None]  # [B, 1, L, L]
@@ -120,7 +145,7 @@ class SeqRec(nn.Module):
   all L2-normalised.
   """
   collection: Any  # pallas_emb.EmbeddingCollection with FEATURES
-  encoder: Encoder
+  encoder: Encoder  # or hstu.HSTU
   seed: int = 0
 
   @nn.compact
@@ -131,7 +156,7 @@ class SeqRec(nn.Module):
     valid = (history[..., 0] if enc.hashed else history) != 0
     # A fresh dropout key per step: FlaxTrainer passes no rngs.
     key = jax.random.fold_in(jax.random.key(self.seed), batch[STEP][0])
-    user = enc(enc.items(emb[HISTORY]), valid, key)
+    user = enc(enc.items(emb[HISTORY]), valid, key, batch[TIMES])
     return {"user": l2_normalize(user),
             "pos": l2_normalize(enc.items(emb[POSITIVES])),
             "neg": l2_normalize(enc.items(emb[NEGATIVES]))}

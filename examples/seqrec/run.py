@@ -19,12 +19,16 @@ from examples.data import place
 from examples.loop import fmt_time
 from examples.seqrec import data as data_lib
 from examples.seqrec import evaluate
+from examples.seqrec import hstu
 from examples.seqrec import model as model_lib
 import pallas_emb as pe
 from pallas_emb.flax import FlaxTrainer
 
 TABLE = "items"
 OPTIMIZERS = ("adam", "rowwise_adagrad", "sgd")
+# --encoder: the class and the name the log and the metrics give it.
+ENCODERS = {"sasrec": (model_lib.Encoder, "SASRec"),
+            "hstu": (hstu.HSTU, "HSTU")}
 
 
 def check_config(config: SeqRecConfig) -> None:
@@ -50,6 +54,8 @@ def check_config(config: SeqRecConfig) -> None:
       fail(name, "a positive number")
   if config.emb_optimizer not in OPTIMIZERS:
     fail("emb_optimizer", f"one of {OPTIMIZERS}")
+  if config.encoder not in ENCODERS:
+    fail("encoder", f"one of {tuple(ENCODERS)}")
   if config.hashed and config.hash_rows < 2:
     fail("hash_rows", "at least 2 rows (row 0 is padding)")
   buckets(config)
@@ -108,7 +114,7 @@ def build(config: SeqRecConfig, data: data_lib.SeqData) -> Run:
                     initializer=init, padding_id=0)],
       [pe.FeatureSpec(f, TABLE) for f in model_lib.FEATURES], mesh, "x",
       backend=config.backend or None)
-  encoder = model_lib.Encoder(
+  encoder = ENCODERS[config.encoder][0](
       dim=config.emb_dim, max_len=config.max_len,
       num_blocks=config.num_blocks, num_heads=config.num_heads,
       dropout=config.dropout, hashed=config.hashed)
@@ -138,7 +144,8 @@ def train(config: SeqRecConfig, log: Callable[[str], None] = print) -> dict:
   per_epoch = data_lib.steps_per_epoch(data, config.batch_size, lengths)
   total = per_epoch * config.epochs
   log(f"{PROGRAM}: MovieLens-1M, {data.num_users} users, {data.num_items} "
-      f"items, history {config.max_len}; SASRec d={config.emb_dim}, "
+      f"items, history {config.max_len}; "
+      f"{ENCODERS[config.encoder][1]} d={config.emb_dim}, "
       f"{config.num_blocks} blocks; table {TABLE!r} "
       f"{run.collection.tables[TABLE].vocab_rows} x "
       f"{run.collection.tables[TABLE].emb_width} ({config.emb_optimizer}"
@@ -192,7 +199,8 @@ def train(config: SeqRecConfig, log: Callable[[str], None] = print) -> dict:
           f"{config.max_minutes} of training have passed.")
       total = step
     if epoch % config.eval_every == 0 or step == total:
-      valid = evaluator(state, data.valid_history, data.valid_targets)
+      valid = evaluator(state, data.valid_history, data.valid_targets,
+                        data.valid_times)
       epoch_loss = float(np.mean(jax.device_get(losses[-per_epoch:])))
       curve.append(dict(epoch=epoch, train_loss=epoch_loss,
                         **{f"valid_{k}": v for k, v in valid.items()}))
@@ -205,10 +213,11 @@ def train(config: SeqRecConfig, log: Callable[[str], None] = print) -> dict:
   # second, without the first (compiling) step.
   throughput = ((total - 1) * users_per_step /
                 (t_end - t_first - evaluator.seconds))
-  test = evaluator(state, data.test_history, data.test_targets)
+  test = evaluator(state, data.test_history, data.test_targets,
+                   data.test_times)
   metrics = {
       "config": dataclasses.asdict(config),
-      "model": "SASRec", "dataset": "movielens-1m",
+      "model": ENCODERS[config.encoder][1], "dataset": "movielens-1m",
       "users": data.num_users, "items": data.num_items,
       "devices": jax.device_count(), "platform": jax.devices()[0].platform,
       "epochs": total // per_epoch, "steps": total,

@@ -1,0 +1,141 @@
+"""HSTU (Hierarchical Sequential Transduction Unit) as an `Encoder`.
+
+The encoder of "Actions Speak Louder than Words" (Zhai et al., ICML'24) as
+meta-recsys/generative-recommenders writes it in
+generative_recommenders/research/modeling/sequential/hstu.py (cited below
+as hstu.py:LINE, at db1bf8f). Each block, from x `[B, L, d]`:
+
+    u, v, q, k = split(SiLU(LayerNorm(x) @ W_uvqk))           # no bias
+    A = SiLU(q k^T + rab(positions, times)) / n * causal mask  # no softmax
+    x = Linear(dropout(u * LayerNorm(A v))) + x
+
+LayerNorms without scale or bias, eps 1e-6; n a constant (not the number
+of valid items); the relative attention bias rab is a learned weight per
+distance i - j plus one per log-bucket of the time from key j to the
+*next* item after query i (the time the prediction is made for). No final
+norm: the user vector is only L2-normalised (the repository's
+L2NormEmbeddingPostprocessor; SeqRec does it). The input is `Encoder`'s
+(scaled items + learned positions, dropout, 0 on padding).
+
+Differences (all from our right-aligned, bucketed rows): n is max_len
+(theirs is their padded width 200 + 11 output slots = 211; the LayerNorm
+right after cancels the constant up to its eps); the position tables
+have max_len rows (theirs 211); padding keys are masked out explicitly
+(their rows are left-aligned, so a causal query never sees padding).
+"""
+
+from __future__ import annotations
+
+import math
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from examples.seqrec import model as model_lib
+
+# hstu.py:610-613: 128 buckets of log(max(|dt|, 1)) / 0.301 (dt seconds).
+NUM_TIME_BUCKETS = 128
+_LOG_BUCKET_WIDTH = 0.301
+_EPS = 1e-6  # the blocks' LayerNorms (hstu.py:239)
+
+
+def time_buckets(dt: jax.Array) -> jax.Array:
+  """int32 bucket in [0, NUM_TIME_BUCKETS] of integer time gaps `dt`
+  (hstu.py:611-613 and the clamp of 132-138; float32 like torch's log of an
+  int64 tensor, truncated toward 0 like `.long()`)."""
+  gap = jnp.maximum(jnp.abs(dt), 1).astype(jnp.float32)
+  return jnp.clip((jnp.log(gap) / _LOG_BUCKET_WIDTH).astype(jnp.int32), 0,
+                  NUM_TIME_BUCKETS)
+
+
+def relative_bias(pos_w: jax.Array, ts_w: jax.Array,
+                  times: jax.Array) -> jax.Array:
+  """`[B, L, L]` bias of query i, key j (RelativeBucketedTimeAndPosition-
+  BasedBias.forward, hstu.py:111-143).
+
+  pos_w: `[2 M - 1]`, the weight of distance i - j at M - 1 + j - i (the
+  pad/repeat/reshape of hstu.py:123-125,139 for any L <= M); ts_w:
+  `[NUM_TIME_BUCKETS + 1]`; times: `[B, L + 1]`, the reference's
+  `ext_timestamps` (hstu.py:128-130): column t + 1 is the time of the item
+  query t predicts, so the bias reads times[i + 1] - times[j].
+  """
+  length = times.shape[1] - 1
+  middle = (pos_w.shape[0] - 1) // 2
+  i = jnp.arange(length)
+  positions = pos_w[middle + i[None, :] - i[:, None]]
+  gaps = times[:, 1:, None] - times[:, None, :-1]
+  return positions[None] + ts_w[time_buckets(gaps)]
+
+
+def _symmetric_uniform(bound: float):
+  def init(key, shape, dtype=jnp.float32):
+    return jax.random.uniform(key, shape, dtype, -bound, bound)
+  return init
+
+
+class HSTU(model_lib.Encoder):
+  """`Encoder` with HSTU blocks; the same call contract, and `times`.
+
+  Attributes (besides Encoder's): num_heads divides dim, and each head
+  has dqk = dv = dim / num_heads (both ml-1m configs of the reference);
+  dropout is the input and the linear dropout (attention has none:
+  hstu.py:203-211 never applies attn_dropout_ratio).
+  """
+
+  def setup(self):
+    # HSTU.reset_params (hstu.py:643-657) re-initialises every parameter
+    # outside its blocks and the item table, i.e. the positions, with
+    # xavier_normal.
+    self.setup_inputs(nn.initializers.variance_scaling(1.0, "fan_avg",
+                                                       "normal"))
+    width = self.dim  # num_heads * dv = num_heads * dqk
+    normal = nn.initializers.normal(0.02)
+    self.uvqk = [self.param(f"uvqk_{i}", normal, (self.dim, 4 * width))
+                 for i in range(self.num_blocks)]
+    # torch.nn.Linear with xavier_uniform weights (hstu.py:268-272) and
+    # its default bias init.
+    self.out = [nn.Dense(self.dim, name=f"out_{i}",
+                         kernel_init=nn.initializers.xavier_uniform(),
+                         bias_init=_symmetric_uniform(1 / math.sqrt(width)))
+                for i in range(self.num_blocks)]
+    self.pos_w = [self.param(f"pos_w_{i}", normal, (2 * self.max_len - 1,))
+                  for i in range(self.num_blocks)]
+    self.ts_w = [self.param(f"ts_w_{i}", normal, (NUM_TIME_BUCKETS + 1,))
+                 for i in range(self.num_blocks)]
+    self.norm = nn.LayerNorm(epsilon=_EPS, use_bias=False, use_scale=False)
+
+  def __call__(self, items: jax.Array, valid: jax.Array,
+               key: jax.Array | None = None,
+               times: jax.Array | None = None) -> jax.Array:
+    """`[B, L, dim]` outputs (not normalised), 0 on padding.
+
+    items, valid, key: as `Encoder`; times: int `[B, L + 1]` timestamps
+    (seconds), right-aligned with the history plus one column: column t
+    is item t's time for t < L and column L the time of the item the last
+    position predicts (the reference feeds its target's timestamp too,
+    features.py:79-83). Padding columns may hold anything.
+    """
+    if times is None or times.shape[1] != items.shape[1] + 1:
+      raise ValueError(
+          f"HSTU needs times [B, L + 1] = [B, {items.shape[1] + 1}] with the "
+          f"items [B, L, d]; got {None if times is None else times.shape}.")
+    keys = model_lib.split_keys(key, 1 + self.num_blocks)
+    x = self.embed(items, valid, next(keys))
+    length, heads = items.shape[1], self.num_heads
+    causal = jnp.tril(jnp.ones((length, length), bool))
+    # [B, 1, L, L]: the heads share the mask and the bias (hstu.py:209-211).
+    keep = (causal[None] & valid[:, None, :])[:, None].astype(jnp.float32)
+
+    def split(a):  # [B, L, heads * w] -> [B, L, heads, w]
+      return a.reshape(a.shape[:2] + (heads, -1))
+
+    for i in range(self.num_blocks):
+      u, v, q, k = jnp.split(nn.silu(self.norm(x) @ self.uvqk[i]), 4, axis=-1)
+      scores = jnp.einsum("bnhd,bmhd->bhnm", split(q), split(k))
+      bias = relative_bias(self.pos_w[i], self.ts_w[i], times)
+      attn = nn.silu(scores + bias[:, None]) / self.max_len * keep
+      out = jnp.einsum("bhnm,bmhd->bnhd", attn, split(v)).reshape(x.shape)
+      x = self.out[i](model_lib.dropout(u * self.norm(out), self.dropout,
+                                        next(keys))) + x
+    return x * valid[..., None].astype(jnp.float32)
