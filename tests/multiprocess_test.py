@@ -1,5 +1,5 @@
 """2 processes x 4 CPU devices (gloo) == 1 process x 8 devices, bit for bit
-(column tables, and row, table and replicated ones)."""
+(the single-table API, and one collection with a table of every placement)."""
 
 import os
 import socket
