@@ -328,7 +328,8 @@ def grad_sums_by_position(layout: StackLayout, grads: Sequence[jax.Array],
                                           mode="drop")
 
     accum = lax.fori_loop(0, length, add, accum, unroll=min(length, 4))
-  return accum, common.row_square_sums(accum, round_dtype)
+  return accum, kernels.xla.row_square_sums(
+      accum, round_dtype, slots(segments).reshape(-1))
 
 
 def route(layout: StackLayout, keys_all, weights_all,

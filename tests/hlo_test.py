@@ -256,33 +256,59 @@ class HloTest(parameterized.TestCase):
     stack) before the update's in-place write (without that, XLA copies the
     table twice per step)."""
     backend = hlo_backend()
+    self.check(linear_loss_step_text(ranks, dtype, features, backend),
+               dtype, backend, f"collection step, linear loss, ranks={ranks} "
+               f"{dtype} features={features}")
+
+  @parameterized.parameters((1, "bfloat16"), (8, "float32"))
+  def test_steps_updating_in_chunks(self, ranks, dtype):
+    """The xla backend's loops over chunks of the unique buffer (4 slots
+    here) carry the table and its state in place too: the linear-loss step
+    of sequence and pooled features, and the pipelined Trainer's step."""
     ctx, opt, table, batch = setup(ranks, dtype)
-    specs, ids = [], {}
-    if features != "pooled":
-      specs.append(pe.FeatureSpec("s", "t"))
-      ids["s"] = batch["ids"]
-    if features != "sequence":
-      specs.append(pe.FeatureSpec("p", "t", combiner="sum"))
-      # Bags of 8: several gathers per pooled row (a shared convert of a
-      # bf16 table would be hoisted out of them).
-      ids["p"] = batch["ids"].reshape(-1, 8)
     coll = pe.EmbeddingCollection(
         [pe.TableSpec("t", VOCAB, WIDTH, optimizer=opt, dtype=dtype)],
-        specs, ctx.mesh, "x", backend=backend)
+        [pe.FeatureSpec("ids", "t")], ctx.mesh, "x", backend="xla")
+    with test_util.update_in_chunks(4):
+      texts = {"linear loss": linear_loss_step_text(ranks, dtype, "mixed",
+                                                    "xla"),
+               "Trainer": trainer_step_text(coll, table, batch, True)[1]}
+    for what, text in texts.items():
+      self.check(text, dtype, "xla", f"{what} step in chunks, ranks={ranks} "
+                 f"{dtype}")
+    if dtype == "float32":  # The loops are there (row norms and update).
+      whole = trainer_step_text(coll, table, batch, True)[1]
+      self.assertEqual(texts["Trainer"].count(" while("),
+                       whole.count(" while(") + 2)
 
-    @functools.partial(jax.jit, donate_argnums=0)
-    def step(state, ids):
-      emb, routing = coll.lookup_and_route(state, ids)
-      loss, grads = jax.value_and_grad(lambda e: sum(
-          jnp.sum(v.astype(jnp.float32)) for v in e.values()))(emb)
-      state, _ = coll.apply_gradients(state, routing, grads)
-      return state, loss
 
-    state = coll.state_from_arrays({"t": table})
-    text = step.lower(state, ids).compile().as_text()
-    self.check(text, dtype, backend,
-               f"collection step, linear loss, ranks={ranks} {dtype} "
-               f"features={features}")
+def linear_loss_step_text(ranks, dtype, features, backend) -> str:
+  """The compiled step of one table read by a sequence feature, a pooled
+  one (bags of 8) or both, under a loss linear in the embeddings."""
+  ctx, opt, table, batch = setup(ranks, dtype)
+  specs, ids = [], {}
+  if features != "pooled":
+    specs.append(pe.FeatureSpec("s", "t"))
+    ids["s"] = batch["ids"]
+  if features != "sequence":
+    specs.append(pe.FeatureSpec("p", "t", combiner="sum"))
+    # Bags of 8: several gathers per pooled row (a shared convert of a
+    # bf16 table would be hoisted out of them).
+    ids["p"] = batch["ids"].reshape(-1, 8)
+  coll = pe.EmbeddingCollection(
+      [pe.TableSpec("t", VOCAB, WIDTH, optimizer=opt, dtype=dtype)],
+      specs, ctx.mesh, "x", backend=backend)
+
+  @functools.partial(jax.jit, donate_argnums=0)
+  def step(state, ids):
+    emb, routing = coll.lookup_and_route(state, ids)
+    loss, grads = jax.value_and_grad(lambda e: sum(
+        jnp.sum(v.astype(jnp.float32)) for v in e.values()))(emb)
+    state, _ = coll.apply_gradients(state, routing, grads)
+    return state, loss
+
+  state = coll.state_from_arrays({"t": table})
+  return step.lower(state, ids).compile().as_text()
 
 
 class OneExchangePerStackTest(parameterized.TestCase):

@@ -4,6 +4,7 @@ Import this before jax in every test binary.
 """
 
 import atexit
+import contextlib
 import itertools
 import json
 import os
@@ -12,6 +13,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from unittest import mock
 
 _FLAG = "--xla_force_host_platform_device_count=8"
 if _FLAG not in os.environ.get("XLA_FLAGS", ""):
@@ -65,6 +67,21 @@ CPU_ONLY = ("checks XLA:CPU's compiled program or interpreter; a GPU runs "
 # many (see `backends_for`); this variable set to 1 runs them on every case.
 KERNEL_CASE_EVERY = 3
 EVERY_CASE_ENV = "PALLAS_EMB_TEST_KERNELS_EVERY_CASE"
+
+
+@contextlib.contextmanager
+def update_in_chunks(slots: int):
+  """The xla backend's loops over a unique buffer's used slots run in
+  chunks of `slots` (`kernels.xla.CHUNK_SLOTS`, 8192: more than a test's
+  buffers) in what is traced inside. Jitted functions trace once per
+  signature, so JAX's in-memory caches are cleared on entry and exit."""
+  from pallas_emb.kernels import xla  # pylint: disable=g-import-not-at-top
+  jax.clear_caches()
+  try:
+    with mock.patch.object(xla, "CHUNK_SLOTS", slots):
+      yield
+  finally:
+    jax.clear_caches()
 
 
 def backends() -> list[str]:

@@ -69,6 +69,55 @@ class XlaBackendTest(parameterized.TestCase):
                          jax.tree.leaves(run(reference))):
       test_util.assert_bits_equal(self, got, test_util.as_numpy(want))
 
+  @parameterized.parameters(*(
+      (name, (3, 4, 5)[i % 3], True)
+      for i, name in enumerate(optimizer_kernels_test.OPTIMIZERS)),
+                            ("adagrad", 4, False))
+  def test_sparse_update_in_chunks(self, name, chunk, apply):
+    """A buffer over `CHUNK_SLOTS` is updated a chunk at a time up to its
+    last slot in the table (the last chunk overlaps the one before: 14
+    slots): the oracle's bits. The 14 slots hold wrapped, out-of-table and
+    FILL tokens, rotated so that the overlaps hold rows of the table, and
+    then the last 4 or 5 slots unused (FILL), as a batch's buffer."""
+    opt = optimizer_kernels_test.OPTIMIZERS[name]
+    width = 6
+    args = optimizer_kernels_test.inputs(opt, 7, width, np.float32)
+    table, rows, elements, tokens, grad_accum, row_sq = map(
+        jax.tree.map, [jnp.asarray] * 6, args)
+    tokens, grad_accum, row_sq = (jnp.roll(a, -4, axis=0)
+                                  for a in (tokens, grad_accum, row_sq))
+
+    def run(impl, tokens):
+      step = jnp.int32(optimizer_kernels_test.STEP)
+      return jax.jit(lambda *a: impl.sparse_update(
+          opt, *a, apply, step, opt.scalars(step),
+          emb_width=optimizer_kernels_test.RANKS * width))(
+              table, rows, elements, tokens, grad_accum, row_sq)
+
+    for unused in (0, 4, 5):
+      ids = tokens.at[tokens.shape[0] - unused:].set(np.iinfo(np.int32).max)
+      with test_util.update_in_chunks(chunk):
+        got = run(xla, ids)
+      for a, b in zip(jax.tree.leaves(got),
+                      jax.tree.leaves(run(reference, ids))):
+        test_util.assert_bits_equal(self, a, test_util.as_numpy(b))
+
+  @parameterized.product(chunk=(3, 17), width=(1, 8))
+  def test_row_square_sums_in_chunks(self, chunk, width):
+    """Row norms computed a chunk at a time up to the last used slot (the
+    last two of the 20 slots are unused): the same bits as over the whole
+    buffer; the total is summed in another order (f32 rounding)."""
+    grads, ids = segment_sum_test.segment_inputs(chunk, 96, width, 20,
+                                                 np.float32)
+    fn = lambda: jax.jit(lambda g, i: xla.segment_sum_rows(
+        g, i, 20, round_dtype=np.float32))(grads, ids)
+    with test_util.update_in_chunks(chunk):
+      (got_sums, got_sq) = fn()
+    want_sums, want_sq = map(test_util.as_numpy, fn())
+    test_util.assert_bits_equal(self, got_sums, want_sums)
+    test_util.assert_bits_equal(self, got_sq[:20], want_sq[:20])
+    np.testing.assert_allclose(got_sq[20], want_sq[20], rtol=20 * 2.0**-24)
+
   def test_gather_and_pool_of_bf16_bits(self):
     table, rows, weights, starts = pool_test.random_case(
         np.random.default_rng(5), 41, 8, 23, 6, test_util.BF16)

@@ -418,8 +418,14 @@ class AdagradRule:
 
 
 def row_square_sums(grad_accum: jax.Array, round_dtype) -> jax.Array:
-  """`[U + 1]`: per row `sum_c round(g)**2`, the total in the last slot."""
-  squares = jnp.square(round_to(grad_accum, round_dtype))
+  """`[U + 1]`: per row `sum_c round(g)**2`, the total in the last slot.
+
+  The squares are rounded on their own (`unfused_product`), so a row's sum
+  has the same bits wherever XLA fuses this (a loop over chunks of rows,
+  or after a scatter).
+  """
+  rounded = round_to(grad_accum, round_dtype)
+  squares = unfused_product(rounded, rounded)
   # Halving adds, not a reduce: XLA:CPU hands a row reduce to a library
   # call that cannot fuse the squares, which then take a `[U, S]` buffer.
   while squares.shape[1] > 1:

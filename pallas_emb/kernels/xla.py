@@ -42,13 +42,93 @@ def segment_sum_rows(grads: jax.Array, segment_ids: jax.Array,
   XLA:CPU hands a row reduce to a library call that cannot fuse the
   squares, which then take a `[U, S]` buffer (`common.row_square_sums`).
   """
-  accum = jax.ops.segment_sum(grads.astype(jnp.float32),
-                              kept_segments(segment_ids, num_segments),
+  segments = kept_segments(segment_ids, num_segments)
+  accum = jax.ops.segment_sum(grads.astype(jnp.float32), segments,
                               num_segments=num_segments, mode="drop")
-  return accum, common.row_square_sums(accum, round_dtype)
+  return accum, row_square_sums(accum, round_dtype, segments)
+
+
+# Slots per iteration of the loops over a unique buffer's used slots
+# (`row_square_sums`, `sparse_update`). The buffer is sized for the worst
+# case (a slot per id) but a batch uses a prefix of it (its distinct rows):
+# the loops stop after the last used slot, so the step's per-slot work and
+# temporaries follow the distinct rows, not the buffer. Tests lower it.
+CHUNK_SLOTS = 8192
+
+
+def _over_used_chunks(body, num_slots: int, extent, carry):
+  """`body(start, fresh, carry)` per chunk of CHUNK_SLOTS slots up to
+  `extent`. The last chunk starts at most at `num_slots - CHUNK_SLOTS` (a
+  static size), so it may overlap the one before: `fresh` `[C]` marks its
+  slots not yet visited."""
+  size = CHUNK_SLOTS
+
+  def step(i, carry):
+    start = jnp.minimum(i * size, num_slots - size)
+    fresh = start + jnp.arange(size, dtype=jnp.int32) >= i * size
+    return body(start, fresh, carry)
+
+  return jax.lax.fori_loop(0, (extent + size - 1) // size, step, carry)
+
+
+def row_square_sums(accum: jax.Array, round_dtype,
+                    segments: jax.Array) -> jax.Array:
+  """`common.row_square_sums` of `accum` `[U, S]`, whose rows past the
+  last slot in `segments` (the kept segment ids of its sums) are zero: only
+  the used rows are visited. Each row's sum has the same bits; the total
+  may meet in another order (f32 rounding)."""
+  num_slots = accum.shape[0]
+  if num_slots <= CHUNK_SLOTS:
+    return common.row_square_sums(accum, round_dtype)
+  extent = jnp.max(jnp.where(segments < num_slots, segments + 1, 0),
+                   initial=0)
+
+  def body(start, fresh, row_sq):
+    del fresh  # A slot's sum is the same each time it is computed.
+    chunk = jax.lax.dynamic_slice_in_dim(accum, start, CHUNK_SLOTS)
+    sums = common.row_square_sums(chunk, round_dtype)[:CHUNK_SLOTS]
+    return jax.lax.dynamic_update_slice_in_dim(row_sq, sums, start, 0)
+
+  row_sq = _over_used_chunks(body, num_slots, extent,
+                             jnp.zeros((num_slots,), jnp.float32))
+  return jnp.concatenate([row_sq, jnp.sum(row_sq, keepdims=True)])
 
 
 def sparse_update(rule, table, row_state, element_state, unique_tokens,
+                  grad_accum, row_sq, apply, step, scalars, *,
+                  emb_width=None):
+  """`reference.sparse_update` without table or state copies on XLA:CPU;
+  a buffer over CHUNK_SLOTS slots is updated a chunk at a time, up to its
+  last slot in the table (the same rows get the same bits)."""
+  num_slots = unique_tokens.shape[0]
+  if num_slots <= CHUNK_SLOTS:
+    return _update_slots(rule, table, row_state, element_state,
+                         unique_tokens, grad_accum, row_sq, apply, step,
+                         scalars, emb_width=emb_width)
+  row_sq = common.check_update_args(
+      rule, table, tuple(row_state), tuple(element_state), unique_tokens,
+      grad_accum, row_sq, scalars)
+  vocab_rows = table.shape[0]
+  tokens = common.wrap_once(unique_tokens, vocab_rows)
+  in_table = jnp.asarray(apply, jnp.bool_) & (tokens >= 0) & (
+      tokens < vocab_rows)
+  positions = jnp.arange(1, num_slots + 1, dtype=jnp.int32)
+  extent = jnp.max(jnp.where(in_table, positions, 0), initial=0)
+
+  def body(start, fresh, arrays):
+    chunk = lambda a: jax.lax.dynamic_slice_in_dim(a, start, CHUNK_SLOTS)
+    # A slot of the chunk before (the last chunk may overlap it) is skipped.
+    chunk_tokens = jnp.where(fresh, chunk(unique_tokens), vocab_rows)
+    return _update_slots(rule, *arrays, chunk_tokens, chunk(grad_accum),
+                         chunk(row_sq), apply, step, scalars,
+                         emb_width=emb_width)
+
+  return _over_used_chunks(
+      body, num_slots, extent, (table, tuple(row_state),
+                                tuple(element_state)))
+
+
+def _update_slots(rule, table, row_state, element_state, unique_tokens,
                   grad_accum, row_sq, apply, step, scalars, *,
                   emb_width=None):
   """`reference.sparse_update` without table or state copies on XLA:CPU.
