@@ -8,12 +8,16 @@ Per case (`workload/case`, the workloads and cases of
 `bench.fbgemm_compare`, f32, one thread): the compiled step's
 `memory_analysis().temp_size_in_bytes` (what XLA:CPU allocates as one block
 per run; glibc serves a block over 32 MB from fresh pages unless malloc keeps
-its memory) and the median of `--steps` step times after `--warmup`. Prints
-one JSON line per case and the `MALLOC_*` environment it ran under.
+its memory), the median of `--steps` step times after `--warmup` and a
+digest of the trained table. Prints one JSON line per case and the
+`MALLOC_*` environment it ran under. `--chunk_slots=1000000000,8192` runs
+each case with the update over the whole unique buffer, then in chunks of
+8192 slots up to its last used slot (the default).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import time
@@ -33,6 +37,11 @@ _CASES = flags.DEFINE_list(
               "c:10000000:65536:1:pooled_map",
               "c:10000000:65536:1:pooled_fit_map"],
     "name:rows:batch:bag:case (case as in bench.fbgemm_compare).")
+_CHUNK_SLOTS = flags.DEFINE_list(
+    "chunk_slots", [],
+    "Run each case once per value of the xla backend's CHUNK_SLOTS (slots "
+    "per iteration of its loops over the unique buffer's used slots), in "
+    "this order; default: once, as the library sets it.")
 
 
 def run_case(spec: str, jax, jnp, np, pe) -> dict:
@@ -70,9 +79,12 @@ def run_case(spec: str, jax, jnp, np, pe) -> dict:
     jax.block_until_ready(loss)
     if i >= _WARMUP.value:
       times.append(time.perf_counter() - t0)
+  table = np.asarray(jax.device_get(coll.table_arrays(state)["t"]))
   return {"case": f"{name}/{kind}", "temp_mb": temp / 2**20,
           "median_ms": 1e3 * float(np.median(times)),
-          "min_ms": 1e3 * min(times)}
+          "min_ms": 1e3 * min(times),
+          # The same digest: the same trained bits.
+          "table_sha256": hashlib.sha256(table.tobytes()).hexdigest()[:16]}
 
 
 def main(argv):
@@ -86,10 +98,16 @@ def main(argv):
   import jax.numpy as jnp
   import numpy as np
   import pallas_emb as pe
+  from pallas_emb.kernels import xla  # pylint: disable=g-import-not-at-top
   malloc = {k: v for k, v in os.environ.items() if k.startswith("MALLOC_")}
+  chunks = [int(c) for c in _CHUNK_SLOTS.value] or [xla.CHUNK_SLOTS]
   for spec in _CASES.value:
-    print(json.dumps({**run_case(spec, jax, jnp, np, pe),
-                      "malloc_env": malloc}), flush=True)
+    for chunk in chunks:
+      xla.CHUNK_SLOTS = chunk
+      jax.clear_caches()  # The layouts' jitted functions trace afresh.
+      print(json.dumps({**run_case(spec, jax, jnp, np, pe),
+                        "chunk_slots": chunk, "malloc_env": malloc}),
+            flush=True)
 
 
 if __name__ == "__main__":

@@ -13,6 +13,10 @@ then only gathered rows are bitcast and the update scatters uint16 rows in
 place, so a bf16 step touches O(U * S) of the table as an f32 one does.
 A bf16 table passed as bf16 (the single-table API, the layers' params)
 still works, at the cost of table-sized passes on CPU.
+
+A unique buffer is sized for the worst case (a slot per id), and a batch
+uses a prefix of it; its row norms and update loop over chunks of it up to
+the last used slot, so their work and temporaries follow the distinct rows.
 `tests/xla_backend_test.py` holds each one equal to its oracle.
 """
 
