@@ -20,11 +20,22 @@ from pallas_emb.kernels import reference
 from pallas_emb.kernels import xla
 
 DTYPES = (np.float32, test_util.BF16)
+WIDTH = 6  # Of the sparse updates' tables.
 
 
 def bits(table):
   """A bf16 table as its uint16 bits."""
   return jax.lax.bitcast_convert_type(table, jnp.uint16)
+
+
+def update(impl, opt, apply, table, rows, elements, tokens, grad_accum,
+           row_sq):
+  """One jitted `impl.sparse_update` (xla or reference) of width-6 rows."""
+  step = jnp.int32(optimizer_kernels_test.STEP)
+  return jax.jit(lambda *a: impl.sparse_update(
+      opt, *a, apply, step, opt.scalars(step),
+      emb_width=optimizer_kernels_test.RANKS * WIDTH))(
+          table, rows, elements, tokens, grad_accum, row_sq)
 
 
 class XlaBackendTest(parameterized.TestCase):
@@ -53,20 +64,11 @@ class XlaBackendTest(parameterized.TestCase):
       apply=(True, False)))
   def test_sparse_update(self, name, dtype, apply):
     opt = optimizer_kernels_test.OPTIMIZERS[name]
-    width = 6
-    args = optimizer_kernels_test.inputs(opt, 3, width, dtype)
-    table, rows, elements, tokens, grad_accum, row_sq = map(
-        jax.tree.map, [jnp.asarray] * 6, args)
-
-    def run(impl):
-      step = jnp.int32(optimizer_kernels_test.STEP)
-      return jax.jit(lambda *a: impl.sparse_update(
-          opt, *a, apply, step, opt.scalars(step),
-          emb_width=optimizer_kernels_test.RANKS * width))(
-              table, rows, elements, tokens, grad_accum, row_sq)
-
-    for got, want in zip(jax.tree.leaves(run(xla)),
-                         jax.tree.leaves(run(reference))):
+    args = tuple(map(jax.tree.map, [jnp.asarray] * 6,
+                     optimizer_kernels_test.inputs(opt, 3, WIDTH, dtype)))
+    for got, want in zip(jax.tree.leaves(update(xla, opt, apply, *args)),
+                         jax.tree.leaves(update(reference, opt, apply,
+                                                *args))):
       test_util.assert_bits_equal(self, got, test_util.as_numpy(want))
 
   @parameterized.parameters(*(
@@ -80,20 +82,13 @@ class XlaBackendTest(parameterized.TestCase):
     FILL tokens, rotated so that the overlaps hold rows of the table, and
     then the last 4 or 5 slots unused (FILL), as a batch's buffer."""
     opt = optimizer_kernels_test.OPTIMIZERS[name]
-    width = 6
-    args = optimizer_kernels_test.inputs(opt, 7, width, np.float32)
     table, rows, elements, tokens, grad_accum, row_sq = map(
-        jax.tree.map, [jnp.asarray] * 6, args)
+        jax.tree.map, [jnp.asarray] * 6,
+        optimizer_kernels_test.inputs(opt, 7, WIDTH, np.float32))
     tokens, grad_accum, row_sq = (jnp.roll(a, -4, axis=0)
                                   for a in (tokens, grad_accum, row_sq))
-
-    def run(impl, tokens):
-      step = jnp.int32(optimizer_kernels_test.STEP)
-      return jax.jit(lambda *a: impl.sparse_update(
-          opt, *a, apply, step, opt.scalars(step),
-          emb_width=optimizer_kernels_test.RANKS * width))(
-              table, rows, elements, tokens, grad_accum, row_sq)
-
+    run = lambda impl, ids: update(impl, opt, apply, table, rows, elements,
+                                   ids, grad_accum, row_sq)
     for unused in (0, 4, 5):
       ids = tokens.at[tokens.shape[0] - unused:].set(np.iinfo(np.int32).max)
       with test_util.update_in_chunks(chunk):
@@ -135,19 +130,11 @@ class XlaBackendTest(parameterized.TestCase):
   @parameterized.product(name=tuple(optimizer_kernels_test.OPTIMIZERS))
   def test_sparse_update_of_bf16_bits(self, name):
     opt = optimizer_kernels_test.OPTIMIZERS[name]
-    width = 6
-    args = optimizer_kernels_test.inputs(opt, 3, width, test_util.BF16)
-    table, rows, elements, tokens, grad_accum, row_sq = map(
-        jax.tree.map, [jnp.asarray] * 6, args)
-
-    def run(impl, table):
-      step = jnp.int32(optimizer_kernels_test.STEP)
-      return jax.jit(lambda *a: impl.sparse_update(
-          opt, *a, True, step, opt.scalars(step),
-          emb_width=optimizer_kernels_test.RANKS * width))(
-              table, rows, elements, tokens, grad_accum, row_sq)
-
-    got, want = run(xla, bits(table)), run(reference, table)
+    table, *args = map(jax.tree.map, [jnp.asarray] * 6,
+                       optimizer_kernels_test.inputs(opt, 3, WIDTH,
+                                                     test_util.BF16))
+    got = update(xla, opt, True, bits(table), *args)
+    want = update(reference, opt, True, table, *args)
     self.assertEqual(got[0].dtype, jnp.uint16)
     got = (jax.lax.bitcast_convert_type(got[0], jnp.bfloat16),) + got[1:]
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
