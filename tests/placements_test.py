@@ -752,7 +752,8 @@ class TrainerTest(absltest.TestCase):
     for placements, ranks, replicas in ((["column"] * 3, 4, 1),
                                         (mixed, 4, 1), (mixed, 2, 2)):
       # Fresh: the step donates the state.
-      params = {"w": jnp.full((8, 1), 0.1), "v": jnp.full((16, 1), 0.1)}
+      params = {"w": jnp.full((8, 1), 0.1, jnp.float32),
+                "v": jnp.full((16, 1), 0.1, jnp.float32)}
       coll = small_collection(placements, ranks, replicas)
       trainer = pe.Trainer(coll, loss_fn, optax.sgd(0.1))
       state = trainer.init(test_util.random_state(coll, 0), params, batches[0])
