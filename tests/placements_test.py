@@ -762,6 +762,7 @@ class TrainerTest(absltest.TestCase):
       for batch, following in zip(batches, batches[1:] + batches[-1:]):
         state, metrics = step(state, batch, following)
         losses.append(float(metrics.loss))
+      self.assertEqual(step._cache_size(), 1)  # pylint: disable=protected-access
       state, _ = trainer.flush(state)
       results.append((losses, jax.tree.map(
           test_util.as_numpy, coll.table_arrays(state.embedding))))
