@@ -89,7 +89,7 @@ def train_with_optax(test, loss_fn, params, steps=30):
     updates, opt_state = opt.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state, loss
 
-  opt_state = opt.init(params)
+  opt_state = test_util.on_mesh_of(opt.init(params), params)
   losses = []
   for _ in range(steps):
     params, opt_state, loss = step(params, opt_state)

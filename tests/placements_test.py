@@ -752,7 +752,8 @@ class TrainerTest(absltest.TestCase):
     for placements, ranks, replicas in ((["column"] * 3, 4, 1),
                                         (mixed, 4, 1), (mixed, 2, 2)):
       # Fresh: the step donates the state.
-      params = {"w": jnp.full((8, 1), 0.1), "v": jnp.full((16, 1), 0.1)}
+      params = {"w": jnp.full((8, 1), 0.1, jnp.float32),
+                "v": jnp.full((16, 1), 0.1, jnp.float32)}
       coll = small_collection(placements, ranks, replicas)
       trainer = pe.Trainer(coll, loss_fn, optax.sgd(0.1))
       state = trainer.init(test_util.random_state(coll, 0), params, batches[0])
@@ -761,6 +762,7 @@ class TrainerTest(absltest.TestCase):
       for batch, following in zip(batches, batches[1:] + batches[-1:]):
         state, metrics = step(state, batch, following)
         losses.append(float(metrics.loss))
+      self.assertEqual(step._cache_size(), 1)  # pylint: disable=protected-access
       state, _ = trainer.flush(state)
       results.append((losses, jax.tree.map(
           test_util.as_numpy, coll.table_arrays(state.embedding))))

@@ -158,6 +158,21 @@ def mesh(shape: dict[str, int], explicit: bool = False) -> jax.sharding.Mesh:
   return jax.sharding.Mesh(np.array(devices).reshape(sizes), names)
 
 
+def on_mesh_of(tree, params):
+  """`tree` (an optimizer state) with its single-device leaves replicated on
+  the mesh of `params`, where a jitted step returns them: the step's first
+  call then compiles the program the later ones run (once, not twice)."""
+  meshes = [leaf.sharding.mesh for leaf in jax.tree.leaves(params)
+            if isinstance(leaf.sharding, jax.sharding.NamedSharding)]
+  if not meshes:
+    return tree
+  replicated = jax.sharding.NamedSharding(meshes[0],
+                                          jax.sharding.PartitionSpec())
+  return jax.tree.map(
+      lambda leaf: jax.device_put(leaf, replicated) if isinstance(
+          leaf.sharding, jax.sharding.SingleDeviceSharding) else leaf, tree)
+
+
 def as_numpy(x) -> np.ndarray:
   """A host copy; bf16 stays bf16 (ml_dtypes)."""
   return np.asarray(jax.device_get(x))
