@@ -10,9 +10,9 @@ Per case (`workload/case`, the workloads and cases of
 per run; glibc serves a block over 32 MB from fresh pages unless malloc keeps
 its memory), the median of `--steps` step times after `--warmup` and a
 digest of the trained table. Prints one JSON line per case and the
-`MALLOC_*` environment it ran under. `--chunk_slots=1000000000,8192` runs
+`MALLOC_*` environment it ran under. `--chunk_slots=1000000000,32768` runs
 each case with the update over the whole unique buffer, then in chunks of
-8192 slots up to its last used slot (the default).
+32768 slots up to its last used slot (the default).
 """
 
 from __future__ import annotations

@@ -72,7 +72,7 @@ EVERY_CASE_ENV = "PALLAS_EMB_TEST_KERNELS_EVERY_CASE"
 @contextlib.contextmanager
 def update_in_chunks(slots: int):
   """The xla backend's loops over a unique buffer's used slots run in
-  chunks of `slots` (`kernels.xla.CHUNK_SLOTS`, 8192: more than a test's
+  chunks of `slots` (`kernels.xla.CHUNK_SLOTS`, 32768: more than a test's
   buffers) in what is traced inside. Jitted functions trace once per
   signature, so JAX's in-memory caches are cleared on entry and exit."""
   from pallas_emb.kernels import xla  # pylint: disable=g-import-not-at-top

@@ -56,8 +56,10 @@ def segment_sum_rows(grads: jax.Array, segment_ids: jax.Array,
 # (`row_square_sums`, `sparse_update`). The buffer is sized for the worst
 # case (a slot per id) but a batch uses a prefix of it (its distinct rows):
 # the loops stop after the last used slot, so the step's per-slot work and
-# temporaries follow the distinct rows, not the buffer. Tests lower it.
-CHUNK_SLOTS = 8192
+# temporaries follow the distinct rows, not the buffer. Smaller chunks
+# cost more per slot on XLA:CPU (8192: +14% at 10M rows, a buffer of
+# 32,632 slots; docs/cpu_performance.md). Tests lower it.
+CHUNK_SLOTS = 32768
 
 
 def _over_used_chunks(body, num_slots: int, extent, carry):
