@@ -17,7 +17,8 @@ still works, at the cost of table-sized passes on CPU.
 A unique buffer is sized for the worst case (a slot per id), and a batch
 uses a prefix of it; its row norms and update loop over chunks of it up to
 the last used slot, so their work and temporaries follow the distinct rows.
-`tests/xla_backend_test.py` holds each one equal to its oracle.
+
+`tests/xla_backend_test.py` holds each function equal to its oracle.
 """
 
 from __future__ import annotations
