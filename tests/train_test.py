@@ -361,9 +361,16 @@ class FeatureModelTest(TempDirTest):
     self.assertEqual(shapes, [200, 200, 80])
 
   def test_resume_is_exact_when_pipelined(self):
-    base = self.config
+    """Also the training half of test_validation_split_keeps_test_out: its
+    three runs tune on a validation split (one set of compiled programs for
+    both tests; the test split's are test_end_to_end_through_the_cli's)."""
+    base = dataclasses.replace(self.config, validation_fraction=0.25)
     self.assertTrue(base.pipelined)
     uninterrupted = train.train(base, log=quiet)
+    # A validation split reports on it, never on the test split.
+    self.assertEqual(uninterrupted["eval_set"], "val")
+    self.assertIn("val_rmse", uninterrupted)
+    self.assertNotIn("test_rmse", uninterrupted)
     directory = self.new_dir("checkpoints")
     first = train.train(dataclasses.replace(base, epochs=1,
                                             checkpoint_dir=directory),
@@ -377,9 +384,11 @@ class FeatureModelTest(TempDirTest):
     # The checkpoint holds the embeddings the next step consumes (looked up
     # before the last staged update), so the one-step-stale pipeline
     # continues exactly as if never stopped.
-    self.assertEqual(resumed["test_loss"], uninterrupted["test_loss"])
+    self.assertEqual(resumed["val_loss"], uninterrupted["val_loss"])
 
   def test_validation_split_keeps_test_out(self):
+    """The split itself; training on it: test_resume_is_exact_when_pipelined
+    (the metrics are the validation split's)."""
     config = dataclasses.replace(self.config, validation_fraction=0.25)
     data = data_lib.load_data(config)
     full = data_lib.load_data(self.config)
@@ -395,10 +404,6 @@ class FeatureModelTest(TempDirTest):
     bags = feature_lib.implicit_bags(data.train)
     bag_pairs = {(u, i) for u in range(bags.shape[0]) for i in bags[u] if i}
     self.assertEqual(bag_pairs, pairs(data.train))
-    metrics = train.train(config, log=quiet)
-    self.assertEqual(metrics["eval_set"], "val")
-    self.assertIn("val_rmse", metrics)
-    self.assertNotIn("test_rmse", metrics)
 
   def test_flags_switch_feature_groups_off(self):
     data = data_lib.load_data(self.config)
