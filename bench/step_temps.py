@@ -5,19 +5,22 @@
         taskset -c 0 python -m bench.step_temps
 
 Per case (`workload/case`, the workloads and cases of
-`bench.fbgemm_compare`, per `--dtypes` (f32, bf16), one thread): the compiled step's
-`memory_analysis().temp_size_in_bytes` (what XLA:CPU allocates as one block
-per run; glibc serves a block over 32 MB from fresh pages unless malloc keeps
-its memory), the median of `--steps` step times after `--warmup` and a
-digest of the trained table. Prints one JSON line per case and the
-`MALLOC_*` environment it ran under. `--chunk_slots=1000000000,32768` runs
-each case with the update over the whole unique buffer, then in chunks of
-32768 slots up to its last used slot (the default).
+`bench.fbgemm_compare`) and dtype (its `--dtypes`: f32, bf16), one thread:
+the compiled step's `memory_analysis().temp_size_in_bytes` (what XLA:CPU
+allocates as one block per run; glibc serves a block over 32 MB from fresh
+pages unless malloc keeps its memory), the median of `--steps` step times
+after `--warmup` and a digest of the trained table. Prints one JSON line
+per case and the `MALLOC_*` environment it ran under.
+`--chunk_slots=1000000000,32768` runs each case with the update over the
+whole unique buffer, then in chunks of 32768 slots up to its last used slot
+(the default); `--chunk_rows=1000000000,8192` likewise makes bf16 rows f32
+for the scatter-add all at once, then 8192 at a time (the default).
 """
 
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import os
 import time
@@ -43,6 +46,10 @@ _CHUNK_SLOTS = flags.DEFINE_list(
     "Run each case once per value of the xla backend's CHUNK_SLOTS (slots "
     "per iteration of its loops over the unique buffer's used slots), in "
     "this order; default: once, as the library sets it.")
+_CHUNK_ROWS = flags.DEFINE_list(
+    "chunk_rows", [],
+    "The same for its CHUNK_ROWS (rows per scatter-add when bf16 or "
+    "weighted rows are made f32), for each --chunk_slots value.")
 
 
 def run_case(spec: str, dtype: str, jax, jnp, np, pe) -> dict:
@@ -103,14 +110,15 @@ def main(argv):
   from pallas_emb.kernels import xla  # pylint: disable=g-import-not-at-top
   malloc = {k: v for k, v in os.environ.items() if k.startswith("MALLOC_")}
   chunks = [int(c) for c in _CHUNK_SLOTS.value] or [xla.CHUNK_SLOTS]
+  chunk_rows = [int(c) for c in _CHUNK_ROWS.value] or [xla.CHUNK_ROWS]
   for spec in _CASES.value:
     for dtype in _DTYPES.value:
-      for chunk in chunks:
-        xla.CHUNK_SLOTS = chunk
+      for chunk, rows in itertools.product(chunks, chunk_rows):
+        xla.CHUNK_SLOTS, xla.CHUNK_ROWS = chunk, rows
         jax.clear_caches()  # The layouts' jitted functions trace afresh.
         print(json.dumps({**run_case(spec, dtype, jax, jnp, np, pe),
-                          "chunk_slots": chunk, "malloc_env": malloc}),
-              flush=True)
+                          "chunk_slots": chunk, "chunk_rows": rows,
+                          "malloc_env": malloc}), flush=True)
 
 
 if __name__ == "__main__":
