@@ -198,11 +198,12 @@ def pooling_bytes(layout: StackLayout, itemsize: int) -> tuple[int, int]:
   the rows `W C D itemsize` back, the f32 gradient sums `W C D 4`. On the
   owners: every entry's local row and weight to every owner `W P 8`
   (another owner's entries travel as padding), the f32 partial sums
-  `W B D 4` back, the bags' f32 gradients `W B D 4` out again.
+  `W B D 4` back, the bags' gradients `W B D itemsize` out again.
   """
   w, c, d = layout.ctx.group_size, layout.capacity, layout.ctx.emb_width
   p, b = layout.pooled_entries, layout.pooled_bags
-  return (w * c * (4 + d * itemsize + d * 4), w * (p * 8 + 2 * b * d * 4))
+  return (w * c * (4 + d * itemsize + d * 4),
+          w * (p * 8 + b * d * 4 + b * d * itemsize))
 
 
 def pools_on_owner(layout: StackLayout, itemsize: int) -> bool:

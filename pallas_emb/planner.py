@@ -167,14 +167,13 @@ class _Model:
     for f in features:
       s = stats.get(f.name, FeatureStats())
       entries = batch_size * s.ids_per_example
-      # Rows exchanged: one per sequence id, one per pooled bag; a pooled
-      # feature's gradient is f32, a sequence feature's the table's dtype.
+      # Rows exchanged: one per sequence id, one per pooled bag, their
+      # gradients in the table's dtype.
       rows = entries if f.combiner is None else batch_size
       table = next(t for t in tables if t.name == f.table)
-      grad_bytes = table.dtype.itemsize if f.combiner is None else 4
       self.entries[f.table] += entries
       self.rows_out[f.table] += rows
-      self.grad_rows[f.table] += rows * grad_bytes
+      self.grad_rows[f.table] += rows * table.dtype.itemsize
 
   def placed(self, placements, pin_ranks=False):
     """The tables with these placements (a table-placed one pinned to the

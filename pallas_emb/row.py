@@ -29,7 +29,7 @@ pooled entries `[W, P]` (local row, or FILL_VALUE where another owner's or
 overflowed; the weights' bits after them): a bag's index is its entries'
 place. The owner pools them into f32 partial sums `[W * B, D]` per (sender,
 bag), ONE all-to-all brings each rank its bags' W partials, summed in rank
-order and rounded once. The update sends each bag's f32 gradient to every
+order and rounded once. The update sends each bag's gradient to every
 owner `[W * B, D]`; the owner scales it per received entry by the entry's
 weight and sums a row's entries in (sender, entry) order.
 """
@@ -290,7 +290,7 @@ def _sent_grads(layout: StackLayout, grads, routing: RowRouting, backend,
                 round_dtype, kernel_config):
   """f32 `[W * C, D]`: this rank's gradient sums per send-buffer slot,
   delivered to the owners (ONE all-to-all; block w from rank w)."""
-  rows = stack.local_rows(layout, grads)
+  rows = stack.local_rows(grads)
   if layout.pooled:
     seq = layout.sequence_entries
     bags = rows[seq:]
@@ -312,7 +312,7 @@ def _owner_entry_grads(layout: StackLayout, grads, routing: RowRouting):
   gradient to every owner) times its weight."""
   ctx = layout.ctx
   w = ctx.group_size
-  bags = stack.local_rows(layout, grads)
+  bags = stack.local_rows(grads)
   received = exchange.all_to_all(ctx, jnp.tile(bags, (w, 1)))
   bag_of_entry = (np.arange(w, dtype=np.int32)[:, None] * layout.pooled_bags
                   + layout.entry_bags()[None]).reshape(-1)

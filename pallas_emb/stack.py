@@ -236,8 +236,8 @@ def split_rows(layout: StackLayout, rows: jax.Array) -> list[jax.Array]:
 
 def _routed_rows(layout: StackLayout, grads: Sequence[jax.Array]) -> jax.Array:
   """`[W, rows per rank, S]`: this rank's columns of the gradient of every
-  row the communicator exchanged (ONE all-to-all; pooled ones in f32)."""
-  local = local_rows(layout, grads)
+  row the communicator exchanged (ONE all-to-all, in the table's dtype)."""
+  local = local_rows(grads)
   if layout.placement == REPLICATED:
     # Every replica sums every rank's full-width gradients itself.
     return exchange.all_gather_ids(layout.ctx, local).reshape(
@@ -246,12 +246,10 @@ def _routed_rows(layout: StackLayout, grads: Sequence[jax.Array]) -> jax.Array:
       layout.ctx.group_size, layout.sequence_entries + layout.pooled_bags, -1)
 
 
-def local_rows(layout: StackLayout, grads: Sequence[jax.Array]) -> jax.Array:
-  """This rank's features' gradients as rows `[T, D]` (f32 with pooled
-  features: their bags' gradients scale per entry)."""
+def local_rows(grads: Sequence[jax.Array]) -> jax.Array:
+  """This rank's features' gradients as rows `[T, D]`, in their dtype (the
+  table's): made f32 where they are summed or scaled by entry weights."""
   flat = [g.reshape(-1, g.shape[-1]) for g in grads]
-  if layout.pooled:
-    flat = [g.astype(jnp.float32) for g in flat]
   return jnp.concatenate(flat) if len(flat) > 1 else flat[0]
 
 
@@ -309,9 +307,9 @@ def grad_sums_by_position(layout: StackLayout, grads: Sequence[jax.Array],
   slots = lambda s: kernels.xla.kept_segments(s, num_unique)
   accum = jnp.zeros((num_unique, width), jnp.float32)
   if layout.sequence:
-    accum = accum.at[slots(segments[:, :layout.sequence_entries]).reshape(
-        -1)].add(routed[:, :layout.sequence_entries].reshape(-1, width),
-                 mode="drop")
+    accum = kernels.xla.scatter_add_rows(
+        accum, slots(segments[:, :layout.sequence_entries]).reshape(-1),
+        routed[:, :layout.sequence_entries].reshape(-1, width))
   entry = layout.sequence_entries
   for f, bags, weights in _per_pooled_feature(
       layout, routed[:, layout.sequence_entries:], weights_all):
@@ -320,12 +318,11 @@ def grad_sums_by_position(layout: StackLayout, grads: Sequence[jax.Array],
     entry += n * length
 
     def add(k, acc, f=f, bags=bags, seg=seg, weights=weights):
-      rows = bags if f.unit_weights else common.unfused_product(
-          bags, lax.dynamic_index_in_dim(weights, k, 2, keepdims=False)[
-              ..., None])
-      keys = slots(lax.dynamic_index_in_dim(seg, k, 2, keepdims=False))
-      return acc.at[keys.reshape(-1)].add(rows.reshape(-1, width),
-                                          mode="drop")
+      at_k = lambda a: lax.dynamic_index_in_dim(a, k, 2, keepdims=False)
+      keys = slots(at_k(seg))
+      return kernels.xla.scatter_add_rows(
+          acc, keys.reshape(-1), bags.reshape(-1, width),
+          None if f.unit_weights else at_k(weights).reshape(-1))
 
     accum = lax.fori_loop(0, length, add, accum, unroll=min(length, 4))
   return accum, kernels.xla.row_square_sums(

@@ -13,6 +13,7 @@ sums of another order, compared as tables after updates are).
 
 import dataclasses
 import os
+import re
 import tempfile
 
 import test_util
@@ -699,6 +700,44 @@ class HloTest(absltest.TestCase):
     # sums 4 x 8 x (4 + 32 + 32) bytes, against 4 x (8 x 8 + 2 x 2 x 32).
     self.assertEqual(layout_lib.pooling_bytes(layout, 4),
                      (4 * 8 * (4 + 8 * 4 + 8 * 4), 4 * (8 * 8 + 2 * 2 * 8 * 4)))
+
+  def test_bf16_gradients_travel_as_bf16(self):
+    """A bf16 stack's gradients go out in bf16, pooled ones too (a bag's
+    product with its entries' weights is taken after the exchange), on
+    every path: the operands of the update's collectives as the program
+    lowers them (XLA:CPU widens a bf16 all-to-all to f32 when it compiles,
+    a GPU does not). 4 ranks, D 8, 8 examples."""
+
+    def sent(fn, *args):
+      """The operands of rows (`[N, S]`, N > 1: not the stats' totals)."""
+      text = jax.jit(fn).lower(*args).as_text()
+      return sorted(t for t in re.findall(
+          r"stablehlo\.all_(?:to_all|gather).*?: \((tensor<[^>]*>)\)", text)
+                    if re.fullmatch(r"tensor<([2-9]|\d\d+)x\d+x\w+>", t))
+
+    for placement, bag, pool_on_owner, grads in (
+        ("row", 1, False, ["tensor<8x8xf32>"]),  # f32 sums per slot
+        ("row", 4, True, ["tensor<8x8xbf16>"]),
+        ("column", 4, False, ["tensor<8x2xbf16>"]),
+        ("table", 4, True, ["tensor<8x8xbf16>"]),
+        ("replicated", 4, False, ["tensor<2x8xbf16>"])):
+      spec = pe.TableSpec("t", 1000, 8, dtype=jnp.bfloat16,
+                          optimizer=pe.Sgd(0.1), placement=placement)
+      coll = pe.EmbeddingCollection(
+          [spec], [pe.FeatureSpec("f", "t", combiner="sum")],
+          test_util.mesh({"x": 4}), "x")
+      state = test_util.random_state(coll, 0)
+      batch = {"f": np.arange(8 * bag, dtype=np.int32).reshape(8, bag)}
+      (layout,) = coll.layouts(batch)
+      self.assertEqual(layout.pool_on_owner, pool_on_owner, placement)
+      emb, routing = coll.lookup_and_route(state, batch)
+      self.assertEqual(sent(coll.apply_gradients, state, routing, emb),
+                       grads, (placement, bag))
+      if pool_on_owner:
+        # The cost that chose the path counts them so: entries 4 x 8 x 8,
+        # f32 partial sums 4 x 2 x 8 x 4, gradients 4 x 2 x 8 x 2.
+        self.assertEqual(layout_lib.pooling_bytes(layout, 2)[1],
+                         4 * (8 * 8 + 2 * 8 * 4 + 2 * 8 * 2))
 
   def test_sparse_step_is_in_place(self):
     """Row and replicated sparse steps (lookup, route, update; the state

@@ -16,6 +16,7 @@ import numpy as np
 import optimizer_kernels_test
 import pool_test
 import segment_sum_test
+from pallas_emb.kernels import common
 from pallas_emb.kernels import reference
 from pallas_emb.kernels import xla
 
@@ -112,6 +113,27 @@ class XlaBackendTest(parameterized.TestCase):
     test_util.assert_bits_equal(self, got_sums, want_sums)
     test_util.assert_bits_equal(self, got_sq[:20], want_sq[:20])
     np.testing.assert_allclose(got_sq[20], want_sq[20], rtol=20 * 2.0**-24)
+
+  @parameterized.product(dtype=DTYPES, weighted=(False, True),
+                         chunk=(3, 5))
+  def test_scatter_add_rows_in_chunks(self, dtype, weighted, chunk):
+    """Rows made f32 (bf16, or scaled by weights) are scatter-added a chunk
+    at a time (14 rows: the last chunk overlaps the one before): the bits
+    of one scatter of all of them, with repeated and dropped slots."""
+    rng = np.random.default_rng(chunk)
+    rows = jnp.asarray(rng.standard_normal((14, WIDTH)).astype(dtype))
+    weights = jnp.asarray(rng.uniform(-2, 2, 14).astype(np.float32)
+                          ) if weighted else None
+    slots = jnp.asarray(np.r_[rng.integers(0, 4, 10), 5, 5, 2, 5],
+                        dtype=jnp.int32)  # 5 slots: index 5 is dropped
+    accum = jnp.asarray(rng.standard_normal((5, WIDTH)), jnp.float32)
+    f32_rows = rows.astype(jnp.float32)
+    want = accum.at[slots].add(
+        f32_rows if weights is None else
+        common.unfused_product(f32_rows, weights[:, None]), mode="drop")
+    with test_util.update_in_chunks(chunk):
+      got = jax.jit(xla.scatter_add_rows)(accum, slots, rows, weights)
+    test_util.assert_bits_equal(self, got, test_util.as_numpy(want))
 
   def test_gather_and_pool_of_bf16_bits(self):
     table, rows, weights, starts = pool_test.random_case(

@@ -264,6 +264,13 @@ def stored_rows(rows: jax.Array, storage_dtype) -> jax.Array:
   return jax.lax.bitcast_convert_type(rows, BF16_BITS)
 
 
+def f32_from_bf16_bits(bits: jax.Array) -> jax.Array:
+  """bf16 values held as their uint16 bits, as f32 (exact: the bits are
+  the f32's upper half)."""
+  return jax.lax.bitcast_convert_type(
+      bits.astype(jnp.uint32) << 16, jnp.float32)
+
+
 def round_to(x: jax.Array, dtype) -> jax.Array:
   """Rounds an f32 value to `dtype` (f32 or bf16) and back, as f32.
 

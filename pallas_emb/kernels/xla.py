@@ -48,8 +48,9 @@ def segment_sum_rows(grads: jax.Array, segment_ids: jax.Array,
   squares, which then take a `[U, S]` buffer (`common.row_square_sums`).
   """
   segments = kept_segments(segment_ids, num_segments)
-  accum = jax.ops.segment_sum(grads.astype(jnp.float32), segments,
-                              num_segments=num_segments, mode="drop")
+  accum = scatter_add_rows(
+      jnp.zeros((num_segments, grads.shape[-1]), jnp.float32), segments,
+      grads)
   return accum, row_square_sums(accum, round_dtype, segments)
 
 
@@ -63,12 +64,19 @@ def segment_sum_rows(grads: jax.Array, segment_ids: jax.Array,
 CHUNK_SLOTS = 32768
 
 
-def _over_used_chunks(body, num_slots: int, extent, carry):
-  """`body(start, fresh, carry)` per chunk of CHUNK_SLOTS slots up to
-  `extent`. The last chunk starts at most at `num_slots - CHUNK_SLOTS` (a
-  static size), so it may overlap the one before: `fresh` `[C]` marks its
-  slots not yet visited."""
-  size = CHUNK_SLOTS
+# Rows per scatter-add when the rows must be made f32 first (bf16
+# gradients, or rows scaled by weights): XLA:CPU does not fuse that into
+# the scatter, so the f32 rows are made a chunk at a time instead of as a
+# copy of the batch (16 MiB for 65,536 bf16 rows of 64). Tests lower it.
+CHUNK_ROWS = 8192
+
+
+def _over_used_chunks(body, num_slots: int, extent, carry, size=None):
+  """`body(start, fresh, carry)` per chunk of `size` (CHUNK_SLOTS) slots up
+  to `extent`. The last chunk starts at most at `num_slots - size` (a
+  static size), so it may overlap the one before: `fresh` `[size]` marks
+  its slots not yet visited."""
+  size = size or CHUNK_SLOTS
 
   def step(i, carry):
     start = jnp.minimum(i * size, num_slots - size)
@@ -76,6 +84,37 @@ def _over_used_chunks(body, num_slots: int, extent, carry):
     return body(start, fresh, carry)
 
   return jax.lax.fori_loop(0, (extent + size - 1) // size, step, carry)
+
+
+def scatter_add_rows(accum: jax.Array, slots: jax.Array, rows: jax.Array,
+                     weights: jax.Array | None = None) -> jax.Array:
+  """`accum.at[slots].add(rows * weights[:, None], mode="drop")` in f32,
+  the products rounded on their own (`common.unfused_product`).
+
+  Rows that must be made f32 (another dtype, or weights) are scattered
+  CHUNK_ROWS at a time, in order: each slot meets the same adds in the same
+  order, without an f32 copy of all the rows.
+  """
+  def f32_rows(r, w):
+    r = common.f32_from_bf16_bits(r) if r.dtype == common.BF16_BITS else (
+        r.astype(jnp.float32))
+    return r if w is None else common.unfused_product(r, w[:, None])
+
+  n = rows.shape[0]
+  if n <= CHUNK_ROWS or (rows.dtype == jnp.float32 and weights is None):
+    return accum.at[slots].add(f32_rows(rows, weights), mode="drop")
+  # As bits: XLA would move a bf16 convert out of the loop, onto all rows.
+  rows = common.stored_rows(rows, common.BF16_BITS)
+
+  def body(start, fresh, acc):
+    chunk = lambda a: jax.lax.dynamic_slice_in_dim(a, start, CHUNK_ROWS)
+    # A row of the chunk before (the last chunk may overlap it) is dropped.
+    keys = jnp.where(fresh, chunk(slots), accum.shape[0])
+    return acc.at[keys].add(
+        f32_rows(chunk(rows), None if weights is None else chunk(weights)),
+        mode="drop")
+
+  return _over_used_chunks(body, n, n, accum, CHUNK_ROWS)
 
 
 def row_square_sums(accum: jax.Array, round_dtype,
