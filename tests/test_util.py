@@ -70,17 +70,17 @@ EVERY_CASE_ENV = "PALLAS_EMB_TEST_KERNELS_EVERY_CASE"
 
 
 @contextlib.contextmanager
-def update_in_chunks(size: int):
+def update_in_chunks(size: int, rows: int | None = None):
   """The xla backend's loops run in chunks of `size` in what is traced
   inside: over a unique buffer's used slots (`kernels.xla.CHUNK_SLOTS`,
-  32768) and over the rows a scatter-add makes f32 (`CHUNK_ROWS`, 8192),
-  both more than a test's. Jitted functions trace once per signature, so
-  JAX's in-memory caches are cleared on entry and exit."""
+  32768) and over the rows a scatter-add makes f32 (`CHUNK_ROWS`, 8192;
+  `rows` if given), both more than a test's. Jitted functions trace once
+  per signature, so JAX's in-memory caches are cleared on entry and exit."""
   from pallas_emb.kernels import xla  # pylint: disable=g-import-not-at-top
   jax.clear_caches()
   try:
     with mock.patch.object(xla, "CHUNK_SLOTS", size), \
-         mock.patch.object(xla, "CHUNK_ROWS", size):
+         mock.patch.object(xla, "CHUNK_ROWS", rows or size):
       yield
   finally:
     jax.clear_caches()

@@ -5,6 +5,8 @@ to f32 rounding where the sums meet in another order (row norms). A bf16
 table given as its uint16 bits (how a collection state holds it on this
 backend) gives the oracle's results on the bf16 table, bit for bit."""
 
+import contextlib
+
 import test_util
 
 from absl.testing import absltest
@@ -49,12 +51,18 @@ class XlaBackendTest(parameterized.TestCase):
     want = jax.jit(lambda *a: reference.pool_rows(*a, max_len=6))(*args)
     test_util.assert_bits_equal(self, got, test_util.as_numpy(want))
 
-  @parameterized.product(dtype=DTYPES, width=(1, 8, 33))
-  def test_segment_sum_rows(self, dtype, width):
+  @parameterized.product(dtype=DTYPES, width=(1, 8, 33),
+                         rows_per_chunk=(None, 7))
+  def test_segment_sum_rows(self, dtype, width, rows_per_chunk):
+    """The oracle's sums bit for bit, with the 96 gradient rows scattered
+    all at once or (bf16: made f32) 7 at a time."""
     grads, ids = segment_sum_test.segment_inputs(width, 96, width, 20, dtype)
     fn = lambda impl: jax.jit(lambda g, i: impl.segment_sum_rows(
         g, i, 20, round_dtype=dtype))(grads, ids)
-    (got_sums, got_sq), (want_sums, want_sq) = fn(xla), fn(reference)
+    with (test_util.update_in_chunks(32768, rows=rows_per_chunk)
+          if rows_per_chunk else contextlib.nullcontext()):
+      got_sums, got_sq = fn(xla)
+    want_sums, want_sq = fn(reference)
     test_util.assert_bits_equal(self, got_sums, test_util.as_numpy(want_sums))
     # Halving adds vs a row reduce: f32 sums of positive terms.
     np.testing.assert_allclose(np.asarray(got_sq), np.asarray(want_sq),

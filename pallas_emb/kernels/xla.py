@@ -71,15 +71,15 @@ CHUNK_SLOTS = 32768
 CHUNK_ROWS = 8192
 
 
-def _over_used_chunks(body, num_slots: int, extent, carry, size=None):
-  """`body(start, fresh, carry)` per chunk of `size` (CHUNK_SLOTS) slots up
-  to `extent`. The last chunk starts at most at `num_slots - size` (a
-  static size), so it may overlap the one before: `fresh` `[size]` marks
-  its slots not yet visited."""
+def _over_used_chunks(body, length: int, extent, carry, size=None):
+  """`body(start, fresh, carry)` per chunk of `size` (CHUNK_SLOTS) of
+  `length` slots or rows, up to `extent`. The last chunk starts at most at
+  `length - size` (a static size), so it may overlap the one before:
+  `fresh` `[size]` marks its entries not yet visited."""
   size = size or CHUNK_SLOTS
 
   def step(i, carry):
-    start = jnp.minimum(i * size, num_slots - size)
+    start = jnp.minimum(i * size, length - size)
     fresh = start + jnp.arange(size, dtype=jnp.int32) >= i * size
     return body(start, fresh, carry)
 
