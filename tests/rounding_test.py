@@ -1,4 +1,5 @@
-"""`kernels.common.round_to`: the bf16 rounding every backend shares.
+"""`kernels.common.round_to` and `narrow`: the bf16 rounding every backend
+shares.
 
 It must equal a real f32 -> bf16 -> f32 conversion (ml_dtypes, ties to
 even, subnormals, infinities, NaN) bit for bit, and survive compilation:
@@ -38,6 +39,22 @@ class RoundToTest(absltest.TestCase):
     np.testing.assert_array_equal(np.isnan(got), nan)
     np.testing.assert_array_equal(got[~nan].view(np.uint32),
                                   want[~nan].view(np.uint32))
+
+  def test_narrow_equals_a_real_conversion_bit_for_bit(self):
+    """`narrow` to bf16: ml_dtypes' conversion, a NaN the quiet NaN of its
+    sign (as XLA's own convert gives)."""
+    x = some_floats()
+    got = np.asarray(jax.jit(common.narrow, static_argnums=1)(
+        x, jnp.bfloat16)).view(np.uint16)
+    with np.errstate(invalid="ignore"):
+      want = x.astype(test_util.BF16).view(np.uint16)
+    nan = np.isnan(x)
+    sign = (x.view(np.uint32) >> 16).astype(np.uint16) & np.uint16(0x8000)
+    want = np.where(nan, sign | np.uint16(0x7FC0), want)
+    np.testing.assert_array_equal(got, want)
+    xla_convert = jax.jit(lambda v: v.astype(jnp.bfloat16))(x)
+    np.testing.assert_array_equal(got, np.asarray(xla_convert).view(np.uint16))
+    self.assertIs(common.narrow(x, jnp.float32).dtype, np.dtype(F32))
 
   def test_rounding_survives_a_fused_program(self):
     """Rounded, squared and summed in one jit: the rounding is not folded."""

@@ -21,3 +21,10 @@ class AdagradHParams:
   weight_decay_factor: float = 1.0
   accum_decay_rate: float = 0.0
   weight_decay_rate: float = 0.0
+
+  @property
+  def decays_weights(self) -> bool:
+    """Whether any row's values are multiplied by a weight decay."""
+    if self.lazy:
+      return self.weight_decay_rate != 0
+    return self.weight_decay_factor != 1

@@ -206,7 +206,8 @@ def _update_slots(rule, table, row_state, element_state, unique_tokens,
   row_state = tuple(scatter(a, n) for n, a in zip(rule.row_slots, row_state))
   element_state = tuple(scatter(a, n)
                         for n, a in zip(rule.element_slots, element_state))
-  new_rows = touched.new["table"].astype(common.logical_dtype(table.dtype))
+  new_rows = common.narrow(touched.new["table"],
+                           common.logical_dtype(table.dtype))
   if table.dtype in (jnp.float32, common.BF16_BITS):
     table = table.at[dest].set(common.stored_rows(new_rows, table.dtype),
                                mode="drop")

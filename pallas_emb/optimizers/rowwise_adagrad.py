@@ -114,6 +114,7 @@ class RowwiseAdagrad(base.SparseOptimizer):
 
   def column_update(self, coeffs, values, grad, element, scalars, dtype):
     wd, lr_scale = coeffs
+    wd = wd if self.weight_decay else None
     return common.adagrad_new_values(values, wd, lr_scale, grad, dtype), {}
 
   def check_state(self, opt_state, table_shape) -> None:
