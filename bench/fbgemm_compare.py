@@ -60,7 +60,7 @@ table, rows that moved (must be exactly the touched rows), the max abs
 difference of the touched rows and of their row-wise accumulators, and the
 per-step losses.
 
-`--profile`: after the timed steps of every float32 pallas_emb case, a few
+`--profile`: after the timed steps of every pallas_emb case, a few
 more steps under `jax.profiler` (perfetto trace), summed per XLA op: the top
 ops of a step (also in `--json_out`).
 """
@@ -123,7 +123,7 @@ _PIN = flags.DEFINE_list("pin_cpus", ["0"],
 _TMP = flags.DEFINE_string("tmp_dir", None,
                            "Where the workload files go (default: $TMPDIR).")
 _PROFILE = flags.DEFINE_bool(
-    "profile", False, "Profile the float32 pallas_emb cases (top XLA ops).")
+    "profile", False, "Profile the pallas_emb cases (top XLA ops).")
 _PROFILE_STEPS = flags.DEFINE_integer("profile_steps", 5,
                                       "Steps traced per profiled case.")
 _JSON_OUT = flags.DEFINE_string("json_out", None, "Write the results here.")
@@ -591,7 +591,7 @@ def main(argv):
         for kind in kinds:
           r = run_pallas(work, arrays, directory, dtype, kind,
                          _WARMUP.value, _STEPS.value,
-                         _PROFILE.value and dtype == "float32")
+                         _PROFILE.value)
           r["workload"] = work["name"]
           pallas.append(r)
           print(f"  pallas_emb {kind} {dtype}: {r['median_ms']:.2f} ms "
