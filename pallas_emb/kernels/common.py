@@ -281,12 +281,18 @@ def narrow(x: jax.Array, dtype) -> jax.Array:
   """
   if jnp.dtype(dtype) != jnp.bfloat16 or x.dtype != jnp.float32:
     return x.astype(dtype)
+  sign = (jax.lax.bitcast_convert_type(x, jnp.uint32) >> 16) & jnp.uint32(
+      0x8000)
+  upper = jnp.where(jnp.isnan(x), sign | jnp.uint32(0x7FC0),
+                    _round_bf16_bits(x) >> 16)
+  return jax.lax.bitcast_convert_type(upper.astype(jnp.uint16), jnp.bfloat16)
+
+
+def _round_bf16_bits(x: jax.Array) -> jax.Array:
+  """uint32: the bits of f32 `x` with the carry that rounds their upper
+  half to nearest, ties to even (meaningless for a NaN)."""
   bits = jax.lax.bitcast_convert_type(x, jnp.uint32)
-  lsb = (bits >> 16) & jnp.uint32(1)
-  rounded = (bits + jnp.uint32(0x7FFF) + lsb) >> 16
-  nan = (bits >> 16) & jnp.uint32(0x8000) | jnp.uint32(0x7FC0)
-  rounded = jnp.where(jnp.isnan(x), nan, rounded).astype(jnp.uint16)
-  return jax.lax.bitcast_convert_type(rounded, jnp.bfloat16)
+  return bits + jnp.uint32(0x7FFF) + ((bits >> 16) & jnp.uint32(1))
 
 
 def round_to(x: jax.Array, dtype) -> jax.Array:
@@ -303,10 +309,8 @@ def round_to(x: jax.Array, dtype) -> jax.Array:
   if jnp.dtype(dtype) != jnp.bfloat16:
     raise ValueError(f"round_to: dtype {jnp.dtype(dtype)}; expected float32 "
                      "or bfloat16.")
-  bits = jax.lax.bitcast_convert_type(x, jnp.uint32)
-  lsb = (bits >> 16) & jnp.uint32(1)
-  rounded = (bits + jnp.uint32(0x7FFF) + lsb) & jnp.uint32(0xFFFF0000)
-  rounded = jax.lax.bitcast_convert_type(rounded, jnp.float32)
+  rounded = jax.lax.bitcast_convert_type(
+      _round_bf16_bits(x) & jnp.uint32(0xFFFF0000), jnp.float32)
   return jnp.where(jnp.isnan(x), x, rounded)
 
 

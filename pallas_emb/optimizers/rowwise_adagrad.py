@@ -113,9 +113,9 @@ class RowwiseAdagrad(base.SparseOptimizer):
         row, row_sq, step, scalars, emb_width)
 
   def column_update(self, coeffs, values, grad, element, scalars, dtype):
-    wd, lr_scale = coeffs
-    wd = wd if self.weight_decay else None
-    return common.adagrad_new_values(values, wd, lr_scale, grad, dtype), {}
+    # The column math reads no constant of the width (only the row's does).
+    return common.AdagradRule(self.hparams(emb_width=1)).column_update(
+        coeffs, values, grad, element, scalars, dtype)
 
   def check_state(self, opt_state, table_shape) -> None:
     if (isinstance(opt_state, RowwiseAdagradState)
