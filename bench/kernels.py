@@ -50,9 +50,9 @@ import pallas_emb as pe
 from pallas_emb import kernels
 from pallas_emb.datasets import zipf_ids
 from pallas_emb.kernels import common
-from pallas_emb.kernels import gather as gather_kernel
-from pallas_emb.kernels import segment_sum as segment_sum_kernel
-from pallas_emb.kernels import sparse_update as update_kernel
+from pallas_emb.kernels.triton import gather as gather_kernel
+from pallas_emb.kernels.triton import segment_sum as segment_sum_kernel
+from pallas_emb.kernels.triton import sparse_update as update_kernel
 
 WHATS = ("gather", "segment_sum", "update", "step")
 SWEPT = ("gather", "segment_sum", "update")

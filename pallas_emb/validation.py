@@ -21,8 +21,21 @@ from pallas_emb.errors import ShardingError
 
 AxisNames = tuple[str, ...]
 
-# The kernel implementations `backend=` chooses between.
-BACKENDS = ("pallas", "interpret", "xla")
+# What `backend=` accepts, and what it resolves to (the kernel backends of
+# `pallas_emb.kernels`).
+KERNEL_BACKENDS = ("triton", "mosaic_tpu", "xla", "interpret",
+                   "mosaic_tpu_interpret")
+BACKENDS = ("auto", "pallas") + KERNEL_BACKENDS
+GPU_PLATFORMS = ("gpu", "cuda", "rocm")
+# The Pallas backend of each accelerator platform (backend="pallas").
+PALLAS_BACKENDS = {"gpu": "triton", "cuda": "triton", "rocm": "triton",
+                   "tpu": "mosaic_tpu"}
+# The fastest backend measured per platform (backend=None / "auto"): on GPUs
+# the Triton kernels (docs/gpu.md); on TPUs XLA's ops until the Mosaic
+# kernels are timed on the chip by bench/tpu_check.sh (docs/tpu.md); on CPUs
+# the xla backend, the only compiled one.
+AUTO_BACKENDS = {"gpu": "triton", "cuda": "triton", "rocm": "triton",
+                 "tpu": "xla"}
 TABLE_DTYPES = ("float32", "bfloat16")
 
 
@@ -239,16 +252,39 @@ def check_padding_id(padding_id) -> None:
 
 
 def resolve_backend(mesh_or_ctx, backend: str | None) -> str:
-  """The explicit backend, or pallas on a GPU mesh and xla elsewhere."""
-  if backend is None:
-    mesh = getattr(mesh_or_ctx, "mesh", mesh_or_ctx)
-    platform = mesh.devices.flat[0].platform
-    return "pallas" if platform in ("gpu", "cuda", "rocm") else "xla"
-  if backend not in BACKENDS:
+  """The kernel backend (`KERNEL_BACKENDS`) that `backend` means on the
+  platform of the mesh's devices.
+
+  None / "auto": the fastest measured one (`AUTO_BACKENDS`); "pallas": the
+  platform's Pallas backend. A Pallas backend of another accelerator is an
+  error, except on a CPU, from which a step is lowered for GPU or TPU
+  (`lower(lowering_platforms=...)`) without running it.
+  """
+  if backend is not None and backend not in BACKENDS:
     raise InputError(
         f"pallas_emb backend={backend!r} is not one of {BACKENDS}: use "
-        "'pallas' on GPUs, 'interpret' to run the same kernels on CPU, or "
-        "'xla' for the plain-jnp path.")
+        "None for the platform's fastest, 'pallas' for its Pallas kernels, "
+        "'interpret' or 'mosaic_tpu_interpret' to run the Triton or Mosaic "
+        "kernels on a CPU, or 'xla' for the plain-jnp path.")
+  mesh = getattr(mesh_or_ctx, "mesh", mesh_or_ctx)
+  platform = mesh.devices.flat[0].platform
+  if backend in (None, "auto"):
+    return AUTO_BACKENDS.get(platform, "xla")
+  if backend == "pallas":
+    if platform not in PALLAS_BACKENDS:
+      raise InputError(
+          f"pallas_emb backend='pallas' has no Pallas backend on platform "
+          f"{platform!r} (Pallas compiles for GPUs and TPUs): use "
+          "'interpret' or 'mosaic_tpu_interpret' to run the kernels there, "
+          "'triton' or 'mosaic_tpu' to lower for that accelerator, or 'xla'.")
+    return PALLAS_BACKENDS[platform]
+  target = {"triton": GPU_PLATFORMS, "mosaic_tpu": ("tpu",)}.get(backend)
+  if target and platform not in target + ("cpu",):
+    raise InputError(
+        f"pallas_emb backend={backend!r} does not run on platform "
+        f"{platform!r} (it is for {target[0].upper()}s): use "
+        f"backend='pallas' for the {platform!r} Pallas backend or None for "
+        "the platform's fastest.")
   return backend
 
 
@@ -262,7 +298,7 @@ def check_dedup(dedup, backend: str | None, where: str) -> str:
         f"pallas_emb {where} dedup={dedup!r} is not one of {DEDUPS}: use "
         "'sort' (the default) or 'slot_map' (the sort-free dedup of column "
         "and replicated stacks, xla backend).")
-  if dedup == "slot_map" and backend not in (None, "xla"):
+  if dedup == "slot_map" and backend not in (None, "auto", "xla"):
     raise InputError(
         f"pallas_emb {where} dedup='slot_map' runs on the xla backend only, "
         f"not backend={backend!r}; pass backend='xla' or dedup='sort'.")

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_emb import kernels
-from pallas_emb.kernels import sparse_update
+from pallas_emb.kernels.triton import sparse_update
 from pallas_emb.kernels import common
 from pallas_emb.kernels.hparams import AdagradHParams
 
@@ -329,7 +329,7 @@ class AdagradTest(parameterized.TestCase):
   def test_int32_checks(self):
     hp = HPARAMS["eager_plain"]
     fn = functools.partial(adagrad_apply, hparams=hp,
-                           backend="pallas")
+                           backend="triton")
     sds = jax.ShapeDtypeStruct
     def args(vocab_rows, num_unique, width):
       return (sds((vocab_rows, width), jnp.bfloat16),
@@ -361,7 +361,7 @@ class AdagradTest(parameterized.TestCase):
              jax.ShapeDtypeStruct((), jnp.bool_),
              jax.ShapeDtypeStruct((), jnp.int32),
              jax.ShapeDtypeStruct((), jnp.float32))
-    fn = lambda *a: adagrad_apply(*a, hparams=hp, backend="pallas")
+    fn = lambda *a: adagrad_apply(*a, hparams=hp, backend="triton")
     text = jax.jit(fn, donate_argnums=(0, 1, 2)).trace(*specs).lower(
         lowering_platforms=("cuda",)).as_text()
     self.assertIn(TRITON_CALL, text)

@@ -533,7 +533,7 @@ class KernelConfigTest(absltest.TestCase):
   """A `pe.KernelConfig` given to the collection reaches every kernel."""
 
   def test_configs_reach_the_kernels(self):
-    from pallas_emb.kernels import gather, pool, segment_sum, sparse_update  # pylint: disable=g-import-not-at-top
+    from pallas_emb.kernels.triton import gather, pool, segment_sum, sparse_update  # pylint: disable=g-import-not-at-top
     from pallas_emb.testing import ptx  # pylint: disable=g-import-not-at-top
     config = pe.KernelConfig(
         gather=gather.GatherConfig(num_warps=8),
@@ -543,7 +543,7 @@ class KernelConfigTest(absltest.TestCase):
     coll = pe.EmbeddingCollection(
         [pe.TableSpec("t", 100, 16, optimizer=pe.RowwiseAdagrad(0.1))],
         [pe.FeatureSpec("f", "t"), pe.FeatureSpec("b", "t", combiner="sum")],
-        test_util.mesh({"x": 1}), "x", backend="pallas",
+        test_util.mesh({"x": 1}), "x", backend="triton",
         kernel_config=config)
     state = jax.eval_shape(coll.init, jax.random.key(0))
     batch = {"f": jax.ShapeDtypeStruct((64,), jnp.int32),
@@ -566,10 +566,10 @@ class KernelConfigTest(absltest.TestCase):
     opt = pe.RowwiseAdagrad(0.1)
 
     def single(t, s, i, g):
-      emb = pe.lookup(ctx, t, i, backend="pallas", kernel_config=config)
+      emb = pe.lookup(ctx, t, i, backend="triton", kernel_config=config)
       return emb, pe.apply_gradients(
           ctx, opt, t, s, g, pe.dedup(ctx, i, vocab_rows=100),
-          backend="pallas", kernel_config=config)[0]
+          backend="triton", kernel_config=config)[0]
 
     warps = {k.name: k.num_warps for k in ptx.capture(
         single, table, jax.eval_shape(lambda t: opt.init(ctx, t), table), ids,

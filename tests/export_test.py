@@ -189,20 +189,20 @@ class ExportTest(absltest.TestCase):
               "genres": np.zeros((16, 3), np.float32)})
 
   def test_pallas_kernels_export_for_cuda(self):
-    """The Triton calls of backend="pallas" are allowed (lowered here on CPU).
+    """The Triton calls of backend="triton" are allowed (lowered here on CPU).
     """
     table = np.random.default_rng(2).standard_normal((50, 16)).astype(
         np.float32)
     ids = np.arange(-20, 44, dtype=np.int32)
     path = os.path.join(self.dir, "pallas")
-    export.save(path, lambda t, i: kernels.gather_rows(t, i, backend="pallas"),
+    export.save(path, lambda t, i: kernels.gather_rows(t, i, backend="triton"),
                 table, [(ids,)], platforms=("cuda",))
     self.assertTrue(os.path.exists(os.path.join(path, "manifest.json")))
     # jax.export alone refuses them.
     with mock.patch.object(export, "_PALLAS_CALLS", ()):
       with self.assertRaisesRegex(ValueError, "custom call"):
         export.save(path + "_unchecked", lambda t, i: kernels.gather_rows(
-            t, i, backend="pallas"), table, [(ids,)], platforms=("cuda",))
+            t, i, backend="triton"), table, [(ids,)], platforms=("cuda",))
 
   def test_save_and_load_checks(self):
     with self.assertRaisesRegex(errors.InputError, "example_args is empty"):

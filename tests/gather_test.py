@@ -22,7 +22,7 @@ import numpy as np
 
 from pallas_emb import kernels
 from pallas_emb.kernels import common
-from pallas_emb.kernels import gather
+from pallas_emb.kernels.triton import gather
 from pallas_emb.kernels import reference
 
 BF16 = test_util.BF16
@@ -140,7 +140,7 @@ class GatherTest(parameterized.TestCase):
 
   def test_int32_checks_table_and_output(self):
     """Every flat view the kernel addresses is checked before tracing."""
-    fn = functools.partial(kernels.gather_rows, backend="pallas")
+    fn = functools.partial(kernels.gather_rows, backend="triton")
     big_table = jax.ShapeDtypeStruct((2**27, 16), jnp.bfloat16)
     with self.assertRaisesRegex(ValueError, r"gather: table shard \(134217728"
                                 r", 16\) has 2147483648 elements per rank.*"
@@ -156,7 +156,7 @@ class GatherTest(parameterized.TestCase):
   def test_cuda_lowering(self, width, dtype):
     table = jax.ShapeDtypeStruct((1000, width), dtype)
     ids = jax.ShapeDtypeStruct((300,), jnp.int32)
-    fn = functools.partial(kernels.gather_rows, backend="pallas")
+    fn = functools.partial(kernels.gather_rows, backend="triton")
     text = jax.jit(fn).trace(table, ids).lower(
         lowering_platforms=("cuda",)).as_text()
     self.assertIn(TRITON_CALL, text)

@@ -73,14 +73,14 @@ PLATFORM = jax.devices()[0].platform
 
 
 def hlo_backend() -> str:
-  """The backend whose HLO is checked: pallas on GPU, else xla.
+  """The backend whose HLO is checked: the Pallas one of a GPU, else xla.
 
   `interpret` is a correctness tool (the interpreter's buffers are not the
   kernel's), so its HLO is not held to the in-place contract.
   """
   chosen = test_util.backends()
-  if "pallas" in chosen:
-    return "pallas"
+  if "triton" in chosen:
+    return "triton"
   return "xla"
 
 
@@ -366,7 +366,7 @@ class OneExchangePerStackTest(parameterized.TestCase):
     """The Triton kernels, lowered for CUDA on CPU: each once per stack."""
     coll = pe.EmbeddingCollection(
         list(self.coll.tables.values()), list(self.coll.features.values()),
-        self.coll.mesh, "x", backend="pallas")
+        self.coll.mesh, "x", backend="triton")
     trainer = pipeline.Trainer(coll, self.loss_fn, optax.sgd(0.1),
                                pipelined=False)
     state = jax.eval_shape(lambda: trainer.init(

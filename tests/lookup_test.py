@@ -14,7 +14,7 @@ import numpy as np
 
 import pallas_emb as pe
 from pallas_emb import kernels
-from pallas_emb.kernels import gather
+from pallas_emb.kernels.triton import gather
 from pallas_emb.kernels import reference
 
 VOCAB = 37
@@ -223,7 +223,7 @@ class GatherKernelTest(parameterized.TestCase):
   def test_cuda_lowering(self, width, dtype):
     table = jax.ShapeDtypeStruct((1000, width), dtype)
     ids = jax.ShapeDtypeStruct((300,), jnp.int32)
-    f = functools.partial(kernels.gather_rows, backend="pallas")
+    f = functools.partial(kernels.gather_rows, backend="triton")
     lowered = jax.jit(f).trace(table, ids).lower(lowering_platforms=("cuda",))
     self.assertIn("__gpu$xla.gpu.triton", lowered.as_text())
 
@@ -231,7 +231,7 @@ class GatherKernelTest(parameterized.TestCase):
     table = jax.ShapeDtypeStruct((2**28, 16), jnp.bfloat16)
     ids = jax.ShapeDtypeStruct((8,), jnp.int32)
     with self.assertRaisesRegex(ValueError, "int32 offsets"):
-      jax.eval_shape(functools.partial(kernels.gather_rows, backend="pallas"),
+      jax.eval_shape(functools.partial(kernels.gather_rows, backend="triton"),
                      table, ids)
 
 

@@ -26,7 +26,7 @@ import pallas_emb as pe
 from pallas_emb import kernels
 from pallas_emb.kernels import reference
 from pallas_emb.kernels import xla
-from pallas_emb.kernels import sparse_update
+from pallas_emb.kernels.triton import sparse_update
 from pallas_emb.optimizers import base
 from pallas_emb.testing import hlo
 
@@ -153,7 +153,7 @@ class SparseUpdateTest(parameterized.TestCase):
     def fn(table, rows, elements, tokens, grad, row_sq, apply, step):
       return kernels.sparse_update_rows(
           opt, table, rows, elements, tokens, grad, row_sq, apply, step,
-          opt.scalars(step), emb_width=width, backend="pallas")
+          opt.scalars(step), emb_width=width, backend="triton")
 
     text = jax.jit(fn, donate_argnums=(0, 1, 2)).trace(
         sds((50, width), dtype), rows, elements, sds((9,), jnp.int32),

@@ -3,7 +3,7 @@
 Interpret mode equals the twin bit for bit (same sums, same order, products
 rounded on their own); both equal a float64 numpy model to f32 accumulation
 (+ one rounding for bf16). The CUDA lowering through the public API
-(`coll.lookup` of a pooled feature, backend="pallas") compiles for sm_90a
+(`coll.lookup` of a pooled feature, backend="triton") compiles for sm_90a
 with no spills and vector row accesses, as tests/ptx_test.py asks of every
 kernel.
 """
@@ -22,7 +22,7 @@ import numpy as np
 import pallas_emb as pe
 import ptx_test
 from pallas_emb import kernels
-from pallas_emb.kernels import pool
+from pallas_emb.kernels.triton import pool
 from pallas_emb.kernels import reference
 from pallas_emb.testing import ptx
 
@@ -111,7 +111,7 @@ def pooled_lookup_kernels(width, dtype):
       [pe.TableSpec("t", 100_000, width, optimizer=pe.RowwiseAdagrad(0.1),
                     dtype=dtype)],
       [pe.FeatureSpec("bag", "t", combiner="mean")], mesh, "x",
-      backend="pallas")
+      backend="triton")
   state = jax.eval_shape(coll.init, jax.random.key(0))
   batch = {"bag": jax.ShapeDtypeStruct((4096, 20), jnp.int32)}
   return [k for k in ptx.capture(coll.lookup, state, batch)

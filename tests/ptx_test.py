@@ -1,7 +1,7 @@
 """Registers, spills and access widths of the kernels as an H100/H200 runs them.
 
 Lowered through the public API on a 1-device CPU mesh (`pe.lookup`,
-`pe.dedup` + `pe.apply_gradients` with backend="pallas" and every sparse
+`pe.dedup` + `pe.apply_gradients` with backend="triton" and every sparse
 optimizer; `lower(lowering_platforms=("cuda",))`, no GPU needed), each
 pallas_call is compiled for sm_90a with the `triton` package and its
 `ptxas -v` (`pallas_emb.testing.ptx`). For shard widths 8, 64, 128, 512 and
@@ -51,7 +51,7 @@ import numpy as np
 
 import pallas_emb as pe
 from pallas_emb import kernels
-from pallas_emb.kernels import sparse_update
+from pallas_emb.kernels.triton import sparse_update
 from pallas_emb.optimizers import base
 from pallas_emb.testing import ptx
 
@@ -141,13 +141,13 @@ def public_api_kernels(width: int, dtype: str) -> list[ptx.CapturedKernel]:
   grads = jax.ShapeDtypeStruct((TOKENS, width), jnp.dtype(dtype),
                                sharding=NamedSharding(mesh, P("x", None)))
   captured = ptx.capture(
-      lambda t, i: pe.lookup(ctx, t, i, backend="pallas"), table, ids)
+      lambda t, i: pe.lookup(ctx, t, i, backend="triton"), table, ids)
   for opt in OPTIMIZERS:
     state = jax.eval_shape(lambda t, o=opt: o.init(ctx, t), table)
 
     def step(t, s, i, g, opt=opt):
       result = pe.dedup(ctx, i, vocab_rows=VOCAB)
-      return pe.apply_gradients(ctx, opt, t, s, g, result, backend="pallas")
+      return pe.apply_gradients(ctx, opt, t, s, g, result, backend="triton")
 
     captured += ptx.capture(step, table, state, ids, grads)
   return captured
@@ -200,7 +200,7 @@ class PtxTest(parameterized.TestCase):
     accesses as wide as the code row's alignment allows (as
     `test_quantized_gather`'s codes)."""
     (kernel,) = ptx.capture(
-        lambda c, i: kernels.gather_rows(c, i, backend="pallas"),
+        lambda c, i: kernels.gather_rows(c, i, backend="triton"),
         jax.ShapeDtypeStruct((VOCAB, width), jnp.uint8),
         jax.ShapeDtypeStruct((TOKENS,), jnp.int32))
     self.assertEqual(kernel.name, "pallas_emb_gather")
@@ -238,14 +238,14 @@ class PtxTest(parameterized.TestCase):
       bags = TOKENS // 16
       (kernel,) = ptx.capture(
           lambda c, s, b, r, w, st: kernels.pool_dequantized(
-              c, s, b, r, w, st, max_len=16, backend="pallas"),
+              c, s, b, r, w, st, max_len=16, backend="triton"),
           codes, rows, rows, jax.ShapeDtypeStruct((TOKENS,), jnp.int32),
           jax.ShapeDtypeStruct((TOKENS,), jnp.float32),
           jax.ShapeDtypeStruct((bags + 1,), jnp.int32))
     else:
       (kernel,) = ptx.capture(
           lambda c, s, b, i: kernels.gather_dequantized(c, s, b, i,
-                                                        backend="pallas"),
+                                                        backend="triton"),
           codes, rows, rows, jax.ShapeDtypeStruct((TOKENS,), jnp.int32))
     self.assertEqual(kernel.name, "pallas_emb_quantized_pool" if pooled
                      else "pallas_emb_quantized_gather")

@@ -20,7 +20,7 @@ import numpy as np
 import gather_test
 from pallas_emb import kernels
 from pallas_emb import quantize
-from pallas_emb.kernels import quantized_gather
+from pallas_emb.kernels.triton import quantized_gather
 from pallas_emb.kernels import reference
 
 KERNEL_BACKENDS = gather_test.KERNEL_BACKENDS
@@ -190,7 +190,7 @@ class QuantizedGatherTest(parameterized.TestCase):
       quantized_gather.gather_dequantized(codes, scale[:4], bias, ids)
     with self.assertRaisesRegex(ValueError, r"code shard \(134217728, 32\)"):
       jax.eval_shape(
-          functools.partial(kernels.gather_dequantized, backend="pallas"),
+          functools.partial(kernels.gather_dequantized, backend="triton"),
           jax.ShapeDtypeStruct((2**27, 32), jnp.uint8),
           jax.ShapeDtypeStruct((2**27,), jnp.float32),
           jax.ShapeDtypeStruct((2**27,), jnp.float32),
@@ -201,7 +201,7 @@ class QuantizedGatherTest(parameterized.TestCase):
     codes = jax.ShapeDtypeStruct((1000, width), jnp.uint8)
     rows = jax.ShapeDtypeStruct((1000,), jnp.float32)
     ids = jax.ShapeDtypeStruct((300,), jnp.int32)
-    fn = functools.partial(kernels.gather_dequantized, backend="pallas")
+    fn = functools.partial(kernels.gather_dequantized, backend="triton")
     text = jax.jit(fn).trace(codes, rows, rows, ids).lower(
         lowering_platforms=("cuda",)).as_text()
     self.assertIn(gather_test.TRITON_CALL, text)

@@ -21,7 +21,7 @@ import numpy as np
 from pallas_emb import kernels
 from pallas_emb.kernels import reference
 from pallas_emb.kernels import xla
-from pallas_emb.kernels import segment_sum
+from pallas_emb.kernels.triton import segment_sum
 
 BF16 = test_util.BF16
 F32 = np.float32
@@ -237,7 +237,7 @@ class SegmentSumTest(parameterized.TestCase):
 
   def test_int32_checks(self):
     fn = functools.partial(kernels.segment_sum_rows, round_dtype=jnp.float32,
-                           backend="pallas")
+                           backend="triton")
     with self.assertRaisesRegex(ValueError, r"segment_sum: gradient block "
                                 r"\(33554432, 64\)"):
       jax.eval_shape(functools.partial(fn, num_segments=5),
@@ -256,7 +256,7 @@ class SegmentSumTest(parameterized.TestCase):
     grads = jax.ShapeDtypeStruct((40, width), dtype)
     ids = jax.ShapeDtypeStruct((40,), jnp.int32)
     fn = lambda g, i: kernels.segment_sum_rows(
-        g, i, 11, round_dtype=dtype, backend="pallas")
+        g, i, 11, round_dtype=dtype, backend="triton")
     text = jax.jit(fn).trace(grads, ids).lower(
         lowering_platforms=("cuda",)).as_text()
     self.assertEqual(text.count(TRITON_CALL), 2)

@@ -60,6 +60,7 @@ BF16 = ml_dtypes.bfloat16
 # On a GPU, XLA's and Triton's division, sqrt and exp may differ from numpy's
 # by an ulp: tests that compare bits on CPU state a tolerance there.
 ON_GPU = jax.devices()[0].platform == "gpu"
+ON_TPU = jax.devices()[0].platform == "tpu"
 # The xla backend and the interpreter's store hazard are XLA:CPU's business.
 CPU_ONLY = ("checks XLA:CPU's compiled program or interpreter; a GPU runs "
             "the pallas kernels")
@@ -92,9 +93,12 @@ def backends() -> list[str]:
   chosen = chosen or os.environ.get("PALLAS_EMB_TEST_BACKEND")
   if chosen:
     return [chosen]
+  # The Mosaic TPU kernels' interpreter runs in tests/mosaic_tpu_test.py.
   found = ["xla", "interpret"]
   if ON_GPU:
-    found.append("pallas")
+    found.append("triton")
+  if ON_TPU:
+    found.append("mosaic_tpu")
   return found
 
 

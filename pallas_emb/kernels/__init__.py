@@ -1,11 +1,19 @@
 """One function per kernel operation, dispatching on the backend.
 
-`backend` is "pallas" (Triton kernels on GPU), "interpret" (the same kernels
-through Pallas' interpreter, any platform) or "xla" (`xla.py`: the same
-operations in jnp, tuned for XLA:CPU). `reference.py` holds the plain
-oracles every implementation is tested against. A Mosaic GPU implementation
-of an operation would be one more branch here; the wrappers never see the
-difference.
+`backend` is a resolved kernel backend (`validation.KERNEL_BACKENDS`):
+
+* "triton": the Pallas Triton kernels of `triton/` (GPU);
+* "mosaic_tpu": the Pallas Mosaic kernels of `mosaic_tpu/` (TPU);
+* "xla": `xla.py`, the same operations in jnp (any platform, tuned for
+  XLA:CPU);
+* "interpret" / "mosaic_tpu_interpret": the Triton / Mosaic kernels through
+  Pallas' interpreters (any platform; what CI runs).
+
+`reference.py` holds the plain oracles every implementation is tested
+against. An operation a backend has no kernel for runs its xla version
+(the Mosaic backend sums duplicates and reads int8 tables with XLA's ops).
+A Mosaic GPU implementation would be one more module here; the wrappers
+never see the difference.
 
 Each Pallas kernel takes a frozen config (tile sizes, warps, stages);
 `config=None`, or None fields of a config, take the kernel's shape
@@ -23,14 +31,17 @@ from pallas_emb.kernels import reference  # pylint: disable=unused-import
 from pallas_emb.kernels import xla
 
 if TYPE_CHECKING:
-  from pallas_emb.kernels.gather import GatherConfig
-  from pallas_emb.kernels.pool import PoolConfig
-  from pallas_emb.kernels.quantized_gather import QuantizedGatherConfig
-  from pallas_emb.kernels.segment_sum import SegmentSumConfig
-  from pallas_emb.kernels.sparse_update import SparseUpdateConfig
+  from pallas_emb.kernels.triton.gather import GatherConfig
+  from pallas_emb.kernels.triton.pool import PoolConfig
+  from pallas_emb.kernels.triton.quantized_gather import QuantizedGatherConfig
+  from pallas_emb.kernels.triton.segment_sum import SegmentSumConfig
+  from pallas_emb.kernels.triton.sparse_update import SparseUpdateConfig
 
 # The one definition lives with the other argument checks.
-from pallas_emb.validation import BACKENDS  # pylint: disable=g-bad-import-order
+from pallas_emb.validation import KERNEL_BACKENDS  # pylint: disable=g-bad-import-order
+
+TRITON = ("triton", "interpret")
+MOSAIC_TPU = ("mosaic_tpu", "mosaic_tpu_interpret")
 
 # jax 0.11.2 warns at every Triton lowering; exactly this message is
 # silenced, around our own pallas_calls only (`quiet_triton_deprecation`).
@@ -40,7 +51,7 @@ quiet_triton_deprecation = common.quiet_triton_deprecation
 
 @dataclasses.dataclass(frozen=True)
 class KernelConfig:
-  """Tile configs of the kernels; None = the shape heuristic.
+  """Tile configs of the Triton kernels; None = the shape heuristic.
 
   gather: `gather.GatherConfig` (lookup of sequence ids); pool:
   `pool.PoolConfig` (lookup of pooled bags); segment_sum:
@@ -51,7 +62,7 @@ class KernelConfig:
   Frozen and hashable, so it can be a static argument of a jit. Reach it
   through `lookup(..., kernel_config=)`, `apply_gradients(...,
   kernel_config=)` or `EmbeddingCollection(..., kernel_config=)` (which the
-  Trainer and the layers use).
+  Trainer and the layers use). The Mosaic and xla backends ignore it.
   """
   gather: GatherConfig | None = None
   segment_sum: SegmentSumConfig | None = None
@@ -60,11 +71,12 @@ class KernelConfig:
   quantized: QuantizedGatherConfig | None = None
 
 
-def _pallas(backend: str, table=None) -> bool:
-  """True for the Pallas backends (whose kernels take no uint16 table)."""
-  if backend not in BACKENDS:
-    raise ValueError(f"pallas_emb backend={backend!r} is not one of "
-                     f"{BACKENDS}.")
+def _implementation(backend: str, table=None) -> str:
+  """"triton", "mosaic_tpu" or "xla": whose kernels run `backend`."""
+  if backend not in KERNEL_BACKENDS:
+    raise ValueError(f"pallas_emb kernel backend={backend!r} is not one of "
+                     f"{KERNEL_BACKENDS} (resolve a user's choice with "
+                     "validation.resolve_backend).")
   if (backend != "xla" and table is not None
       and table.dtype == common.BF16_BITS):
     raise TypeError(
@@ -72,16 +84,27 @@ def _pallas(backend: str, table=None) -> bool:
         "bits, as a state of the xla backend holds it); the Pallas kernels "
         "take bf16: move the state over through table_arrays / "
         "state_from_arrays of a collection with this backend.")
-  return backend != "xla"
+  if backend in TRITON:
+    return "triton"
+  return "mosaic_tpu" if backend in MOSAIC_TPU else "xla"
+
+
+def _interpret(backend: str):
+  """The `interpret` argument of the Pallas kernels for `backend`."""
+  return backend in ("interpret", "mosaic_tpu_interpret")
 
 
 def gather_rows(table, ids, *, backend: str, config=None):
   """`[N, S]` rows of a `[V, S]` shard for `[N]` ids (wrapped, clamped)."""
-  if not _pallas(backend, table):
-    return xla.gather_rows(table, ids)
-  from pallas_emb.kernels import gather  # pylint: disable=g-import-not-at-top
-  return gather.gather_rows(table, ids, config=config,
-                            interpret=backend == "interpret")
+  impl = _implementation(backend, table)
+  if impl == "triton":
+    from pallas_emb.kernels.triton import gather  # pylint: disable=g-import-not-at-top
+    return gather.gather_rows(table, ids, config=config,
+                              interpret=_interpret(backend))
+  if impl == "mosaic_tpu":
+    from pallas_emb.kernels.mosaic_tpu import lookup  # pylint: disable=g-import-not-at-top
+    return lookup.gather_rows(table, ids, interpret=_interpret(backend))
+  return xla.gather_rows(table, ids)
 
 
 def segment_sum_rows(grads, segment_ids, num_segments: int, *, round_dtype,
@@ -92,13 +115,13 @@ def segment_sum_rows(grads, segment_ids, num_segments: int, *, round_dtype,
   `round_dtype` (the table dtype); `row_sq[U]` is the total. Segment ids
   outside `[0, U)` are dropped.
   """
-  if not _pallas(backend):
+  if _implementation(backend) != "triton":
     return xla.segment_sum_rows(grads, segment_ids, num_segments,
-                                      round_dtype=round_dtype)
-  from pallas_emb.kernels import segment_sum  # pylint: disable=g-import-not-at-top
+                                round_dtype=round_dtype)
+  from pallas_emb.kernels.triton import segment_sum  # pylint: disable=g-import-not-at-top
   return segment_sum.segment_sum_rows(grads, segment_ids, num_segments,
                                       round_dtype=round_dtype,
-                                      interpret=backend == "interpret",
+                                      interpret=_interpret(backend),
                                       config=config)
 
 
@@ -107,19 +130,23 @@ def sparse_update_rows(rule, table, row_state, element_state,
                        scalars, *, emb_width, backend: str, config=None):
   """An optimizer's fused update of the rows a batch used.
 
-  `rule` is the optimizer's `sparse_update.UpdateRule`; returns `(table,
-  row_state, element_state)`, the states as tuples in the rule's order.
+  `rule` is the optimizer's `triton.sparse_update.UpdateRule`; returns
+  `(table, row_state, element_state)`, the states as tuples in the rule's
+  order.
   """
-  if not _pallas(backend, table):
-    return xla.sparse_update(rule, table, row_state, element_state,
-                                   unique_tokens, grad_accum, row_sq, apply,
-                                   step, scalars, emb_width=emb_width)
-  from pallas_emb.kernels import sparse_update as kernel  # pylint: disable=g-import-not-at-top
-  return kernel.sparse_update(rule, table, row_state, element_state,
-                              unique_tokens, grad_accum, row_sq, apply, step,
-                              scalars, emb_width=emb_width,
-                              interpret=backend == "interpret",
-                              config=config)
+  args = (rule, table, row_state, element_state, unique_tokens, grad_accum,
+          row_sq, apply, step, scalars)
+  impl = _implementation(backend, table)
+  if impl == "triton":
+    from pallas_emb.kernels.triton import sparse_update  # pylint: disable=g-import-not-at-top
+    return sparse_update.sparse_update(*args, emb_width=emb_width,
+                                       interpret=_interpret(backend),
+                                       config=config)
+  if impl == "mosaic_tpu":
+    from pallas_emb.kernels.mosaic_tpu import sparse_update  # pylint: disable=g-import-not-at-top
+    return sparse_update.sparse_update(*args, emb_width=emb_width,
+                                       interpret=_interpret(backend))
+  return xla.sparse_update(*args, emb_width=emb_width)
 
 
 def pool_rows(table, rows, weights, bag_starts, *, max_len: int,
@@ -130,35 +157,41 @@ def pool_rows(table, rows, weights, bag_starts, *, max_len: int,
   `max_len`); the result is rounded once to `out_dtype` (default: the
   table dtype; f32 keeps partial sums unrounded).
   """
-  if not _pallas(backend, table):
-    return xla.pool_rows(table, rows, weights, bag_starts,
-                         max_len=max_len, out_dtype=out_dtype)
-  from pallas_emb.kernels import pool  # pylint: disable=g-import-not-at-top
-  return pool.pool_rows(table, rows, weights, bag_starts, max_len=max_len,
-                        config=config, interpret=backend == "interpret",
-                        out_dtype=out_dtype)
+  impl = _implementation(backend, table)
+  if impl == "triton":
+    from pallas_emb.kernels.triton import pool  # pylint: disable=g-import-not-at-top
+    return pool.pool_rows(table, rows, weights, bag_starts, max_len=max_len,
+                          config=config, interpret=_interpret(backend),
+                          out_dtype=out_dtype)
+  if impl == "mosaic_tpu":
+    from pallas_emb.kernels.mosaic_tpu import lookup  # pylint: disable=g-import-not-at-top
+    return lookup.pool_rows(table, rows, weights, bag_starts,
+                            max_len=max_len, interpret=_interpret(backend),
+                            out_dtype=out_dtype)
+  return xla.pool_rows(table, rows, weights, bag_starts,
+                       max_len=max_len, out_dtype=out_dtype)
 
 
 def gather_dequantized(codes, scale, bias, ids, *, backend: str,
                        config=None):
   """f32 `[N, S]` rows of a `[V, S]` uint8 shard of a row-wise int8 table,
   `codes[r] * scale[r] + bias[r]` for `[N]` ids (wrapped, clamped)."""
-  if not _pallas(backend):
+  if _implementation(backend) != "triton":
     return xla.gather_dequantized(codes, scale, bias, ids)
-  from pallas_emb.kernels import quantized_gather  # pylint: disable=g-import-not-at-top
+  from pallas_emb.kernels.triton import quantized_gather  # pylint: disable=g-import-not-at-top
   return quantized_gather.gather_dequantized(
       codes, scale, bias, ids, config=config,
-      interpret=backend == "interpret")
+      interpret=_interpret(backend))
 
 
 def pool_dequantized(codes, scale, bias, rows, weights, bag_starts, *,
                      max_len: int, backend: str, config=None):
   """f32 `[M, S]` weighted sums of dequantized rows of CSR bags (as
   `pool_rows`, accumulated and returned in f32)."""
-  if not _pallas(backend):
+  if _implementation(backend) != "triton":
     return xla.pool_dequantized(codes, scale, bias, rows, weights,
                                 bag_starts, max_len=max_len)
-  from pallas_emb.kernels import quantized_gather  # pylint: disable=g-import-not-at-top
+  from pallas_emb.kernels.triton import quantized_gather  # pylint: disable=g-import-not-at-top
   return quantized_gather.pool_dequantized(
       codes, scale, bias, rows, weights, bag_starts, max_len=max_len,
-      config=config, interpret=backend == "interpret")
+      config=config, interpret=_interpret(backend))

@@ -58,39 +58,68 @@ class TouchedRows(NamedTuple):
   new: dict
 
 
-def touched_rows(rule, table, row_state, element_state, unique_tokens,
-                 grad_accum, row_sq, apply, step, scalars, *,
-                 emb_width=None) -> TouchedRows:
-  """Gathers the touched rows and runs the rule's math on them.
+class TouchedRowState(NamedTuple):
+  """The row-wise part of a sparse update (see `touched_row_state`).
+
+  ok: bool `[U]`, the slots that are updated; rows: `[U]` their rows (0 for
+  the others); dest: `[U]` their rows, V (out of range) for the others;
+  old / new: `{row slot: [U]}`; coeffs: the rule's f32 `[U]` per-row
+  coefficients for `column_update`.
+  """
+  ok: jax.Array
+  rows: jax.Array
+  dest: jax.Array
+  old: dict
+  new: dict
+  coeffs: tuple
+
+
+def touched_row_state(rule, vocab_rows: int, row_state, unique_tokens,
+                      row_sq, apply, step, scalars, *,
+                      emb_width=None) -> TouchedRowState:
+  """Which slots a sparse update touches, and its row-wise part for them.
 
   A slot is skipped when the update is not applied, its token (wrapped
   once) is outside the table (fill values), or, unless
   `rule.updates_zero_rows`, its row got no gradient.
   """
-  row_state, element_state = tuple(row_state), tuple(element_state)
-  scalars = tuple(jnp.asarray(s, jnp.float32) for s in scalars)
-  vocab_rows, _ = table.shape
-  row_sq = common.check_update_args(
-      rule, table, row_state, element_state, unique_tokens, grad_accum,
-      row_sq, scalars)
   tokens = common.wrap_once(unique_tokens, vocab_rows)
   ok = (jnp.asarray(apply, jnp.bool_) & (tokens >= 0)
         & (tokens < vocab_rows))
   if not rule.updates_zero_rows:
     ok = ok & (row_sq > 0)
   rows = jnp.where(ok, tokens, 0)
-  old = {name: a[rows] for name, a in zip(rule.row_slots + rule.element_slots,
-                                          row_state + element_state)}
-  old["table"] = common.logical_rows(table[rows])
-  new, coeffs = rule.row_update({n: old[n] for n in rule.row_slots}, row_sq,
-                                step, scalars, emb_width)
-  new = dict(new)
+  old = {name: a[rows] for name, a in zip(rule.row_slots, row_state)}
+  new, coeffs = rule.row_update(old, row_sq, step, scalars, emb_width)
+  return TouchedRowState(ok, rows, jnp.where(ok, tokens, vocab_rows), old,
+                         dict(new), tuple(coeffs))
+
+
+def touched_rows(rule, table, row_state, element_state, unique_tokens,
+                 grad_accum, row_sq, apply, step, scalars, *,
+                 emb_width=None) -> TouchedRows:
+  """Gathers the touched rows and runs the rule's math on them (the slots
+  skipped: `touched_row_state`)."""
+  row_state, element_state = tuple(row_state), tuple(element_state)
+  scalars = tuple(jnp.asarray(s, jnp.float32) for s in scalars)
+  vocab_rows, _ = table.shape
+  row_sq = common.check_update_args(
+      rule, table, row_state, element_state, unique_tokens, grad_accum,
+      row_sq, scalars)
+  part = touched_row_state(rule, vocab_rows, row_state, unique_tokens,
+                           row_sq, apply, step, scalars, emb_width=emb_width)
+  old = dict(part.old)
+  old.update({name: a[part.rows] for name, a in zip(rule.element_slots,
+                                                    element_state)})
+  old["table"] = common.logical_rows(table[part.rows])
+  new = dict(part.new)
   new["table"], new_element = rule.column_update(
-      tuple(c[:, None] for c in coeffs), old["table"].astype(jnp.float32),
-      grad_accum, {n: old[n] for n in rule.element_slots}, scalars,
+      tuple(c[:, None] for c in part.coeffs),
+      old["table"].astype(jnp.float32), grad_accum,
+      {n: old[n] for n in rule.element_slots}, scalars,
       common.logical_dtype(table.dtype))
   new.update(new_element)
-  return TouchedRows(ok, jnp.where(ok, tokens, vocab_rows), old, new)
+  return TouchedRows(part.ok, part.dest, old, new)
 
 
 def sparse_update(rule, table, row_state, element_state, unique_tokens,

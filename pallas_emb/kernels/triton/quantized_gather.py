@@ -31,7 +31,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_emb.kernels import common
-from pallas_emb.kernels import pool
+from pallas_emb.kernels.triton import pool
 
 # The f32 output tile: 4096 elements (16 KiB) in registers, row segments of
 # at most 256 columns (1 KiB of output), and enough programs for the SMs.

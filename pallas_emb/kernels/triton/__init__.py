@@ -1,0 +1,2 @@
+"""The Triton backend: Pallas kernels for GPUs (`backend="triton"`, or
+"pallas" on a GPU; "interpret" runs them through Pallas' interpreter)."""
