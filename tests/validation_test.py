@@ -203,8 +203,8 @@ class CallChecksTest(absltest.TestCase):
       validation.as_ids(["a"])
 
   def test_backend(self):
-    with self.assertRaisesRegex(pe.InputError, "backend='triton' is not one of"):
-      validation.resolve_backend(self.ctx, "triton")
+    with self.assertRaisesRegex(pe.InputError, "backend='cuda' is not one of"):
+      validation.resolve_backend(self.ctx, "cuda")
     self.assertEqual(validation.resolve_backend(self.ctx, None), "xla")
 
 

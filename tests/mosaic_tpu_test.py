@@ -1,0 +1,276 @@
+"""The Mosaic TPU backend on a CPU: its kernels in Pallas' TPU interpreter
+against numpy models and their jnp twins, a whole training step through
+them against the xla backend, its lowering for TPU, and the backend
+resolution per platform.
+
+The kernels run here through `pltpu.InterpretParams`, which forgives races
+and misaligned DMAs that a chip does not: `bench/tpu_check.sh` runs these
+tests on a TPU with backend "mosaic_tpu" (`PALLAS_EMB_TEST_BACKEND`).
+"""
+
+import os
+import re
+import types
+
+import test_util
+
+from absl.testing import absltest
+from absl.testing import parameterized
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import adagrad_test
+import gather_test
+import optimizer_kernels_test
+import pool_test
+import pallas_emb as pe
+from pallas_emb import kernels
+from pallas_emb import validation
+from pallas_emb.kernels import reference
+
+BF16 = test_util.BF16
+F32 = np.float32
+# The Mosaic kernels through the interpreter, or on the chip.
+BACKEND = ("mosaic_tpu" if test_util.ON_TPU
+           or os.environ.get("PALLAS_EMB_TEST_BACKEND") == "mosaic_tpu"
+           else "mosaic_tpu_interpret")
+EXACT = BACKEND == "mosaic_tpu_interpret"  # the chip's div/sqrt/exp may differ
+
+
+def assert_same(test, got, want, exact=EXACT):
+  """Bit for bit in the interpreter; within a few ulps on the chip."""
+  if exact:
+    test_util.assert_bits_equal(test, got, want)
+    return
+  got, want = test_util.as_numpy(got), np.asarray(want)
+  rtol = 1e-5 if got.dtype == F32 else 2**-7
+  np.testing.assert_allclose(got.astype(F32), want.astype(F32), rtol=rtol,
+                             atol=1e-6)
+
+
+class LookupKernelTest(parameterized.TestCase):
+
+  @parameterized.product(width=(8, 64, 128, 200), dtype=(F32, BF16))
+  def test_gather_matches_model_and_twin(self, width, dtype):
+    """Edge ids (negative, past the end, int32 extremes) and duplicates;
+    37 ids: a partial last tile."""
+    table = gather_test.random_table(width, 50, width, dtype)
+    ids = gather_test.edge_ids(width, 37, 50)
+    ids[-5:] = ids[:5]
+    out = kernels.gather_rows(jnp.asarray(table), jnp.asarray(ids),
+                              backend=BACKEND)
+    test_util.assert_bits_equal(self, out, gather_test.np_gather(table, ids))
+
+  def test_gather_empty(self):
+    out = kernels.gather_rows(jnp.ones((5, 8)), jnp.zeros((0,), jnp.int32),
+                              backend=BACKEND)
+    self.assertEqual(out.shape, (0, 8))
+
+  @parameterized.product(width=(8, 64, 128), dtype=(jnp.float32,
+                                                     jnp.bfloat16))
+  def test_pool_matches_model_and_twin(self, width, dtype):
+    """29 bags of 0-5 entries (weights 0 on a fifth, ids out of range)."""
+    rng = np.random.default_rng(width)
+    args = pool_test.random_case(rng, 37, width, 29, 5, dtype)
+    out = kernels.pool_rows(*args, max_len=5, backend=BACKEND)
+    assert_same(self, out, test_util.as_numpy(
+        reference.pool_rows(*args, max_len=5)))
+    want, scale = pool_test.model(*(np.asarray(a) for a in args))
+    ulp = 0.0 if dtype == jnp.float32 else 2.0**-8
+    err = np.abs(test_util.as_numpy(out).astype(np.float64) - want)
+    self.assertTrue((err <= ulp * np.abs(want) + 8 * 2.0**-24 * scale
+                     + 1e-30).all(), err.max())
+
+  def test_pool_f32_output_of_a_bf16_table(self):
+    rng = np.random.default_rng(7)
+    args = pool_test.random_case(rng, 20, 16, 9, 3, jnp.bfloat16)
+    out = kernels.pool_rows(*args, max_len=3, backend=BACKEND,
+                            out_dtype=jnp.float32)
+    self.assertEqual(out.dtype, jnp.float32)
+    assert_same(self, out, test_util.as_numpy(reference.pool_rows(
+        *args, max_len=3, out_dtype=jnp.float32)))
+
+
+def _update(opt, backend, args, width, apply=True):
+  """One update with the scalars traced, as a step computes them (a
+  constant learning rate folded into a division is rewritten by XLA, which
+  the kernel, opaque to it, is not)."""
+  table, rows, elements, tokens, grad_accum, row_sq = args
+  step = jnp.int32(optimizer_kernels_test.STEP)
+
+  def fn(table, rows, elements, tokens, grad_accum, row_sq, apply, scalars):
+    args = (opt, table, rows, elements, tokens, grad_accum, row_sq, apply,
+            step, scalars)
+    emb_width = optimizer_kernels_test.RANKS * width
+    if backend == "reference":
+      return reference.sparse_update(*args, emb_width=emb_width)
+    return kernels.sparse_update_rows(*args, emb_width=emb_width,
+                                      backend=backend)
+
+  out = jax.jit(fn)(table, rows, elements, tokens, grad_accum, row_sq,
+                    jnp.asarray(apply), opt.scalars(step))
+  return jax.tree.map(np.asarray, out)
+
+
+class SparseUpdateTest(parameterized.TestCase):
+
+  @parameterized.product(name=list(optimizer_kernels_test.OPTIMIZERS),
+                         case=((F32, 8), (BF16, 64), (F32, 128)))
+  def test_matches_twin(self, name, case):
+    """The 14 slots of adagrad_test (every token rule, a zero gradient)."""
+    dtype, width = case
+    opt = optimizer_kernels_test.OPTIMIZERS[name]
+    args = optimizer_kernels_test.inputs(opt, width, width, dtype)
+    got = _update(opt, BACKEND, args, width)
+    want = _update(opt, "reference", args, width)
+    # Partial row-wise Adam's `m / correction1 / denominator`: XLA's
+    # simplifier regroups the twin's divisions (one rounding fewer), the
+    # interpreter runs the kernel's as written; a float32 numpy model of the
+    # formula agrees with the kernel where they differ (1-8 ulps).
+    exact = EXACT and name != "partial_rowwise_adam"
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+      assert_same(self, g, w, exact)
+    trained = (optimizer_kernels_test.TRAINED
+               + [optimizer_kernels_test.ZERO_GRAD_ROW] * opt.updates_zero_rows)
+    keep = sorted(set(range(adagrad_test.VOCAB)) - set(trained))
+    for new, old in zip(jax.tree.leaves(got), jax.tree.leaves(args[:3])):
+      test_util.assert_bits_equal(self, new[keep], np.asarray(old)[keep])
+    self.assertFalse(np.array_equal(got[0][3], args[0][3]))
+
+  @parameterized.product(hp=list(adagrad_test.HPARAMS), dtype=(F32, BF16))
+  def test_rowwise_adagrad_matches_numpy_model(self, hp, dtype):
+    hparams = adagrad_test.HPARAMS[hp]
+    args = adagrad_test.adagrad_inputs(3, 24, dtype, lazy=hparams.lazy)
+    got = adagrad_test.run_adagrad(BACKEND, args, hparams)
+    want = adagrad_test.np_adagrad(*args, apply=True, step=9, lr=0.1,
+                                   hp=hparams)
+    for g, w in zip(got, want):
+      if w is not None:
+        rtol = 1e-6 if g.dtype == F32 else 2**-7
+        np.testing.assert_allclose(g.astype(F32), w.astype(F32), rtol=rtol,
+                                   atol=1e-6)
+
+  def test_not_applied_changes_nothing(self):
+    opt = optimizer_kernels_test.OPTIMIZERS["adam"]
+    args = optimizer_kernels_test.inputs(opt, 3, 16, BF16)
+    got = _update(opt, BACKEND, args, 16, apply=False)
+    for g, given in zip(jax.tree.leaves(got), jax.tree.leaves(args[:3])):
+      test_util.assert_bits_equal(self, g, given)
+
+
+def _collection(backend, dtype, width, placement="column",
+                optimizer=pe.RowwiseAdagrad(0.1), ranks=2):
+  tables = [pe.TableSpec("items", 300, width, optimizer=optimizer,
+                         dtype=dtype, placement=placement),
+            pe.TableSpec("tags", 40, width, optimizer=optimizer, dtype=dtype,
+                         placement=placement)]
+  features = [pe.FeatureSpec("history", "items"),
+              pe.FeatureSpec("tags", "tags", combiner="mean"),
+              pe.FeatureSpec("clicks", "items", combiner="sum")]
+  return pe.EmbeddingCollection(tables, features,
+                                test_util.mesh({"x": ranks}), "x",
+                                backend=backend)
+
+
+def _batch(seed, batch=8):
+  rng = np.random.default_rng(seed)
+  return {"history": jnp.asarray(rng.integers(-2, 300, (batch, 6)),
+                                 jnp.int32),
+          "tags": jnp.asarray(rng.integers(0, 40, (batch, 3)), jnp.int32),
+          "clicks": jnp.asarray(rng.integers(0, 300, (batch, 5)), jnp.int32)}
+
+
+def _step(coll, state, batch):
+  emb, routing = coll.lookup_and_route(state, batch)
+  grads = jax.grad(lambda e: sum(
+      jnp.sum(jnp.sin(v.astype(jnp.float32))) for v in e.values()))(emb)
+  return coll.apply_gradients(state, routing, grads)[0], emb
+
+
+class CollectionStepTest(parameterized.TestCase):
+  """A whole step (lookup, exchange, dedup, update) on the Mosaic kernels
+  equals the xla backend's."""
+
+  @parameterized.product(
+      case=((jnp.float32, 64, "column"), (jnp.bfloat16, 128, "column"),
+            (jnp.float32, 16, "row"), (jnp.bfloat16, 16, "table"),
+            (jnp.float32, 16, "replicated")),
+      optimizer=("rowwise_adagrad", "adam"))
+  def test_two_steps_match_xla(self, case, optimizer):
+    dtype, width, placement = case
+    opt = {"rowwise_adagrad": pe.RowwiseAdagrad(0.1),
+           "adam": pe.Adam(0.01)}[optimizer]
+    tables = {}
+    for backend in ("xla", BACKEND):
+      coll = _collection(backend, dtype, width, placement, opt)
+      state = coll.init(jax.random.key(0))
+      step = jax.jit(lambda s, b, coll=coll: _step(coll, s, b))
+      for seed in (1, 2):
+        state, emb = step(state, _batch(seed))
+      tables[backend] = coll.table_arrays(state)
+      tables[backend + "_emb"] = emb
+    for name in ("items", "tags"):
+      assert_same(self, tables[BACKEND][name], tables["xla"][name])
+    for name, emb in tables[BACKEND + "_emb"].items():
+      assert_same(self, emb, tables["xla_emb"][name])
+
+
+MOSAIC_KERNELS = re.compile(r'kernel_name = "(pallas_emb_\w+_tpu)"')
+
+
+class TpuLoweringTest(parameterized.TestCase):
+  """The step lowers for TPU from a CPU, with the Mosaic kernels in it."""
+
+  @parameterized.product(dtype=(jnp.float32, jnp.bfloat16),
+                         width=(64, 128),
+                         optimizer=("rowwise_adagrad", "ftrl"))
+  def test_step_lowers_with_mosaic_calls(self, dtype, width, optimizer):
+    opt = {"rowwise_adagrad": pe.RowwiseAdagrad(0.1),
+           "ftrl": pe.Ftrl(0.1)}[optimizer]
+    coll = _collection("mosaic_tpu", dtype, width, optimizer=opt)
+    state = jax.eval_shape(coll.init, jax.random.key(0))
+    batch = jax.eval_shape(lambda: _batch(0, batch=64))
+    text = jax.jit(lambda s, b: _step(coll, s, b)).trace(
+        state, batch).lower(lowering_platforms=("tpu",)).as_text()
+    self.assertEqual(
+        set(MOSAIC_KERNELS.findall(text)),
+        {"pallas_emb_gather_tpu", "pallas_emb_pool_tpu",
+         opt.kernel_name + "_tpu"})
+    self.assertNotIn("triton", text)
+
+
+def _fake_mesh(platform):
+  device = types.SimpleNamespace(platform=platform)
+  return types.SimpleNamespace(devices=np.array([device], dtype=object))
+
+
+class BackendResolutionTest(parameterized.TestCase):
+
+  @parameterized.parameters(
+      ("cpu", None, "xla"), ("cpu", "auto", "xla"), ("gpu", None, "triton"),
+      ("cuda", "pallas", "triton"), ("tpu", None, "xla"),
+      ("tpu", "pallas", "mosaic_tpu"), ("tpu", "mosaic_tpu", "mosaic_tpu"),
+      ("cpu", "mosaic_tpu", "mosaic_tpu"), ("cpu", "triton", "triton"),
+      ("tpu", "interpret", "interpret"), ("gpu", "xla", "xla"))
+  def test_resolves(self, platform, backend, want):
+    self.assertEqual(
+        validation.resolve_backend(_fake_mesh(platform), backend), want)
+
+  @parameterized.parameters(
+      ("cpu", "pallas", "has no Pallas backend on platform 'cpu'"),
+      ("tpu", "triton", "backend='triton' does not run on platform 'tpu'"),
+      ("gpu", "mosaic_tpu",
+       "backend='mosaic_tpu' does not run on platform 'gpu'"),
+      ("cpu", "cuda", "backend='cuda' is not one of"))
+  def test_unsupported_pairs_name_both(self, platform, backend, message):
+    with self.assertRaisesRegex(pe.InputError, re.escape(message)):
+      validation.resolve_backend(_fake_mesh(platform), backend)
+
+  def test_collection_on_cpu_refuses_pallas(self):
+    with self.assertRaisesRegex(pe.InputError, "no Pallas backend"):
+      _collection("pallas", jnp.float32, 8)
+
+
+if __name__ == "__main__":
+  absltest.main()
