@@ -47,9 +47,11 @@ import numpy as np
 from examples import evaluation
 from examples import train as train_lib
 from examples.config import TrainConfig
+from examples.models import FeatureMF
 import pallas_emb as pe
 from pallas_emb import datasets
 from pallas_emb import export
+from pallas_emb import flax as pe_flax
 
 _EXPORT_DIR = flags.DEFINE_string(
     "export_dir", "", "Where the exported functions go ('': a temporary "
@@ -95,11 +97,20 @@ def scorer(run):
   params, "entities": the per-user / per-item feature arrays}.
   """
   trainer, rating_range = run.trainer, run.rating_range
+  # The feature model reads its tables through one EmbeddingCollection
+  # layer ("embed"), which serves the tables it is handed; biased MF's
+  # per-table Embed layers get the trainer's lookups.
+  by_layer = isinstance(run.model, FeatureMF)
 
   def score(state, pairs):
     batch = dict(pairs, **state["entities"])
-    pred = trainer.apply(pe.PipelineState(state["emb"], state["dense"], None,
-                                          None, None), batch)["pred"]
+    if by_layer:
+      pred = run.model.apply(
+          {"params": state["dense"],
+           **pe_flax.serving_variables(state["emb"], "embed")}, batch)["pred"]
+    else:
+      pred = trainer.apply(pe.PipelineState(state["emb"], state["dense"],
+                                            None, None, None), batch)["pred"]
     return pred if rating_range is None else jnp.clip(pred, *rating_range)
 
   return score

@@ -163,7 +163,10 @@ def save(path: str, fn: Callable[..., Any], state: Any,
       "num_devices": mesh.size if mesh is not None else 1,
       "mesh": (None if mesh is None else
                {"axis_names": list(mesh.axis_names),
-                "axis_sizes": [int(s) for s in mesh.devices.shape]}),
+                "axis_sizes": [int(s) for s in mesh.devices.shape],
+                # Explicit axes (`jax.make_mesh`'s default) are part of the
+                # programs' types: the loader's mesh must have the same.
+                "axis_types": [t.name for t in mesh.axis_types]}),
       "state": [{"path": p, "dtype": a.dtype.name, "shape": list(a.shape)}
                 for p, a in zip(paths, host)],
       "programs": len(programs),
@@ -253,9 +256,14 @@ def load(path: str) -> Served:
   if mesh_info is None:
     state = [jax.numpy.asarray(a) for a in host]
   else:
+    # Files written before axis types were saved had Auto axes.
+    axis_types = tuple(
+        jax.sharding.AxisType[name] for name in mesh_info.get(
+            "axis_types", ["Auto"] * len(mesh_info["axis_names"])))
     mesh = jax.sharding.Mesh(
         np.array(devices[:manifest["num_devices"]]).reshape(
-            mesh_info["axis_sizes"]), tuple(mesh_info["axis_names"]))
+            mesh_info["axis_sizes"]), tuple(mesh_info["axis_names"]),
+        axis_types=axis_types)
     # jax.export keeps no sharding for a replicated input (None).
     replicated = NamedSharding(mesh, P())
     shardings = programs[0].in_shardings_jax(mesh)[:len(host)]

@@ -18,6 +18,15 @@ trainer can insist that every table is looked up exactly once per forward
 pass, that no `Embed` outside the collection looks itself up, and that an
 Embed's padding_id is its table's.
 
+Serving: `serving_variables(serving, path)` hands an `EmbeddingCollection`
+module a `coll.quantize(...)` state (int8, bf16, f16) or a `CollectionState`
+through the variable collection `SERVING`; the module then reads no params
+and returns `coll.lookup` of that state:
+
+    model.apply({"params": dense_params,
+                 **pe_flax.serving_variables(coll.quantize(state, "int8"),
+                                             "embed")}, batch)
+
 Inside the package `import flax` still means the real Flax: imports are
 absolute, so this module is only ever `pallas_emb.flax`.
 """
@@ -49,6 +58,7 @@ from pallas_emb import validation
 from pallas_emb.specs import Bag
 from pallas_emb.state import CollectionState
 from pallas_emb.collection import EmbeddingCollection as Collection
+from pallas_emb.state import ServingState
 from pallas_emb.state import StackState
 from pallas_emb.specs import default_initializer
 from pallas_emb.errors import InputError
@@ -56,7 +66,7 @@ from pallas_emb.single_table import lookup_with_padding
 from pallas_emb.validation import EmbeddingContext
 
 __all__ = ["Embed", "EmbeddingCollection", "FlaxTrainer", "LOOKUPS",
-           "default_embed_init"]
+           "SERVING", "default_embed_init", "serving_variables"]
 
 Array = jax.Array
 Dtype = Any
@@ -65,6 +75,23 @@ Initializer = Callable[..., Array]
 # The variable collections the trainer talks to the layers through.
 LOOKUPS = "pallas_emb_lookups"
 CALLS = "pallas_emb_calls"
+# The collection that hands an EmbeddingCollection module its serving tables.
+SERVING = "pallas_emb_serving"
+
+
+def serving_variables(serving: ServingState | CollectionState,
+                      path: str = "embed") -> dict:
+  """`{SERVING: ...}` variables that make the `EmbeddingCollection` module
+  at `path` ("/"-separated module names, e.g. "encoder/embed") serve
+  `serving` (`coll.quantize(state, dtype)` or a `CollectionState`); merge
+  them into the variables of `model.apply`."""
+  if not isinstance(serving, (ServingState, CollectionState)):
+    raise InputError(
+        f"pallas_emb.flax.serving_variables got a {type(serving).__name__}; "
+        "expected a ServingState (collection.quantize(state, dtype)) or a "
+        "CollectionState.")
+  return {SERVING: traverse_util.unflatten_dict(
+      {tuple(path.split("/")) + ("tables",): serving})}
 
 # flax.linen.linear.default_embed_init, spelled out.
 default_embed_init = default_initializer
@@ -237,6 +264,15 @@ class EmbeddingCollection(nn.Module):
           f"pallas_emb.flax.EmbeddingCollection collection is a "
           f"{type(coll).__name__}; expected a pallas_emb.EmbeddingCollection "
           "(build one from TableSpecs and FeatureSpecs).")
+    if self.has_variable(SERVING, "tables"):
+      serving = self.get_variable(SERVING, "tables")
+      if not isinstance(serving, (ServingState, CollectionState)):
+        raise InputError(
+            f"pallas_emb.flax.EmbeddingCollection {_path(self)!r} got a "
+            f"{type(serving).__name__} in its {SERVING!r} variables; "
+            "expected a ServingState or CollectionState "
+            "(pallas_emb.flax.serving_variables makes them).")
+      return coll.lookup(serving, batch)
     supplied = _supplied(self)
     if supplied is not None:
       return self._check_supplied(dict(supplied), batch)

@@ -28,6 +28,7 @@ from pallas_emb import exchange
 from pallas_emb import validation
 from pallas_emb.state import CollectionState
 from pallas_emb.collection import EmbeddingCollection as Collection
+from pallas_emb.state import ServingState
 from pallas_emb.state import StackState
 from pallas_emb.errors import InputError
 from pallas_emb.single_table import lookup_with_padding
@@ -159,8 +160,19 @@ class EmbeddingCollection(hk.Module):
           "pallas_emb.EmbeddingCollection.")
     self.collection = collection
 
-  def __call__(self, batch) -> dict[str, Array]:
+  def __call__(self, batch, serving: ServingState | None = None
+               ) -> dict[str, Array]:
+    """`{feature: embeddings}`; with `serving` (`coll.quantize(state,
+    dtype)` or a `CollectionState`) the lookup of those tables, reading no
+    params (inference on a quantized copy)."""
     coll = self.collection
+    if serving is not None:
+      if not isinstance(serving, (ServingState, CollectionState)):
+        raise InputError(
+            f"pallas_emb.haiku.EmbeddingCollection serving is a "
+            f"{type(serving).__name__}; expected a ServingState "
+            "(collection.quantize(state, dtype)) or a CollectionState.")
+      return coll.lookup(serving, batch)
     stacks = {}
     for stack in coll.plan.stacks:
       shape = [stack.total_rows, stack.emb_width]

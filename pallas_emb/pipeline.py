@@ -16,6 +16,7 @@ all-gather per stack serves the lookup, the dedup and the update).
 from __future__ import annotations
 
 import dataclasses
+import logging
 from typing import Any, Callable, Mapping, NamedTuple
 
 import jax
@@ -28,6 +29,7 @@ from pallas_emb.collection import EmbeddingCollection
 from pallas_emb.state import Routing
 from pallas_emb.state import move_slot_maps
 from pallas_emb.errors import PipelineMisuse
+from pallas_emb.errors import UniqueOverflowError
 
 LossFn = Callable[[Any, Mapping[str, jax.Array], Mapping[str, Any]],
                   tuple[jax.Array, Any]]
@@ -62,6 +64,24 @@ class StepMetrics(NamedTuple):
   loss: jax.Array
   aux: Any
   updates: dict[str, Any]  # stack name -> UpdateStats
+
+
+class _NotOurOverflow(logging.Filter):
+  """Drops JAX's log record of a callback that raised UniqueOverflowError:
+  the error reaches the caller in the step's runtime error, and JAX's
+  record of it (a traceback on stderr, printed again at interpreter exit)
+  would be noise."""
+
+  def filter(self, record: logging.LogRecord) -> bool:
+    error = record.exc_info[1] if record.exc_info else None
+    return not isinstance(error, UniqueOverflowError)
+
+
+_OVERFLOW_FILTER = _NotOurOverflow()
+
+
+def _quiet_overflow_logs() -> None:
+  logging.getLogger("jax._src.debugging").addFilter(_OVERFLOW_FILTER)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -105,6 +125,7 @@ class Trainer:
                  or t.max_ids_per_partition is not None
                  for t in self.collection.tables.values())
     if self.check_overflow and capped:
+      _quiet_overflow_logs()
       jax.debug.callback(self.collection.raise_if_overflow, stats)
     return stats
 

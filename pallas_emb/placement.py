@@ -181,11 +181,27 @@ def state_from_physical(stack: StackPlan, state) -> list[Any]:
                  state.step) for i in range(len(stack.tables))]
 
 
+def _unsharded(x):
+  """`x` with no sharding in its type. On a mesh of Explicit axes (what
+  `jax.make_mesh` gives) the type carries the sharding, and reshaping or
+  slicing a sharded dimension is a type error; the conversions run at the
+  edges (init, `table_arrays`, checkpoints), not in the step."""
+  if not isinstance(x, (jax.Array, jax.core.Tracer)):
+    return x
+  sharding = jax.typeof(x).sharding
+  if all(s is None for s in sharding.spec):
+    return x
+  return jax.sharding.reshard(x, NamedSharding(sharding.mesh, P()))
+
+
 @functools.lru_cache(maxsize=256)
 def jitted(fn, stack: StackPlan, out_shardings):
   """`fn(stack, x)` (one of the conversions above) jitted onto
-  `out_shardings`, compiled once per stack."""
-  return jax.jit(functools.partial(fn, stack), out_shardings=out_shardings)
+  `out_shardings`, compiled once per stack, on meshes of Auto or Explicit
+  axes."""
+  def convert(x):
+    return fn(stack, jax.tree.map(_unsharded, x))
+  return jax.jit(convert, out_shardings=out_shardings)
 
 
 def concat_rows(arrays, sharding) -> jax.Array:

@@ -37,6 +37,9 @@ ORDER = ("column", "row", "table", "replicated")
 DEFAULT_RESERVE_FRACTION = 0.2
 DEFAULT_IDS_PER_EXAMPLE = 1.0
 ID_BYTES = 4
+# The report says what replication would cost for tables of at most this
+# many bytes per rank (table and optimizer state) that are not replicated.
+SMALL_TABLE_BYTES = 1 << 20
 
 
 class PlanInfeasibleError(Error):
@@ -100,12 +103,16 @@ class TablePlan:
   """One table's placement: `rank` for "table"; `bytes_per_rank` the
   table and optimizer state it alone stores on a rank holding it (stacks
   pad once per stack, so the rank total is what `PlanReport` says);
-  `sent_per_step` the bytes a rank sends for it alone per step."""
+  `sent_per_step` the bytes a rank sends for it alone per step;
+  `alternatives` the same two figures of every placement the table may
+  take, so a report shows what decided it."""
   name: str
   placement: str
   rank: int | None
   bytes_per_rank: int
   sent_per_step: int
+  alternatives: dict[str, tuple[int, int]] = dataclasses.field(
+      default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,6 +145,12 @@ class PlanReport:
                              else "")
       lines.append(f"  {t.name}: {where}, {t.bytes_per_rank} bytes per "
                    f"rank, sends {t.sent_per_step} bytes per step")
+      # Why a small table is not replicated (docs/planner.md).
+      if (t.placement != "replicated" and "replicated" in t.alternatives
+          and t.bytes_per_rank <= SMALL_TABLE_BYTES):
+        mem, sent = t.alternatives["replicated"]
+        lines.append(f"    replicated it would store {mem} bytes per rank "
+                     f"and send {sent} bytes per step")
     for r, (mem, sent) in enumerate(zip(self.memory_per_rank,
                                         self.sent_per_rank)):
       lines.append(f"  rank {r}: {mem} bytes of tables + optimizer state, "
@@ -429,8 +442,10 @@ def plan(tables: Sequence[TableSpec], features: Sequence[FeatureSpec],
   report = PlanReport(
       ranks=ranks, budget=budget, device_memory=int(device_memory),
       reserve=int(reserve),
-      tables=tuple(TablePlan(t.name, p, t.rank, *model.alone(t, p))
-                   for t, p in zip(placed, best)),
+      tables=tuple(TablePlan(t.name, p, t.rank, *model.alone(t, p),
+                             alternatives={q: model.alone(t, q)
+                                           for q in ps})
+                   for t, p, ps in zip(placed, best, allowed)),
       memory_per_rank=(memory,) * ranks, sent_per_rank=(sent,) * ranks,
       column_only_memory=(model.memory(model.placed(column)) if column_ok
                           else None),

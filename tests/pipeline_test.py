@@ -1,6 +1,10 @@
 """The pipelined step against a synchronous loop that applies late."""
 
 
+import os
+import subprocess
+import sys
+
 import test_util
 
 from absl.testing import absltest
@@ -213,6 +217,39 @@ class PipelineTest(parameterized.TestCase):
       jax.jit(sync.step)(piped_state, batches[0])
     with self.assertRaisesRegex(pe.PipelineMisuse, "got a dict"):
       jax.jit(sync.step)({"embedding": state0}, batches[0])
+
+
+OVERFLOW_PROGRAM = """
+import jax, jax.numpy as jnp, numpy as np, optax
+import pallas_emb as pe
+coll = pe.EmbeddingCollection(
+    [pe.TableSpec("t", 100, 8, optimizer=pe.Sgd(0.1), max_unique=3)],
+    [pe.FeatureSpec("f", "t")], jax.make_mesh((1,), ("x",)), "x")
+trainer = pe.Trainer(coll, lambda p, e, b: (jnp.sum(e["f"] * p["w"]), {}),
+                     optax.sgd(0.1), pipelined=False)
+state = trainer.init(coll.init(jax.random.key(0)), {"w": jnp.ones((8,))})
+try:
+  jax.block_until_ready(jax.jit(trainer.step)(
+      state, {"f": np.arange(1, 9, dtype=np.int32)}))
+except Exception as e:
+  print("raised", "UniqueOverflowError" in str(e), "5 more distinct" in str(e))
+"""
+
+
+class OverflowExitTest(absltest.TestCase):
+
+  def test_overflow_raises_once_and_exits_quietly(self):
+    """The Trainer's overflow check raises in the step; a program that
+    catches it exits with nothing on stderr (JAX's own log of the failed
+    callback used to print a traceback, again at interpreter exit)."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env.pop("XLA_FLAGS", None)
+    proc = subprocess.run([sys.executable, "-c", OVERFLOW_PROGRAM],
+                          capture_output=True, text=True, env=env,
+                          timeout=300, check=False)
+    self.assertEqual(proc.returncode, 0, proc.stderr)
+    self.assertEqual(proc.stdout.strip(), "raised True True")
+    self.assertEqual(proc.stderr.strip(), "")
 
 
 if __name__ == "__main__":

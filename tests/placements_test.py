@@ -30,6 +30,7 @@ import optax
 import numpy_model
 import pallas_emb as pe
 from pallas_emb import checkpoint
+from pallas_emb import export
 from pallas_emb import flax as pe_flax
 from pallas_emb import layout as layout_lib
 from pallas_emb import row
@@ -50,13 +51,14 @@ def edge_ids(rng, shape, vocab):
   return ids.reshape(shape).astype(np.int32)
 
 
-def random_collection(seed, ranks, replicas=1, dedup="sort"):
+def random_collection(seed, ranks, replicas=1, dedup="sort", explicit=False):
   """3-5 tables of every placement (widths 4-128, f32 / bf16, row-wise
   Adagrad or SGD, padding or not), sequence, pooled and weighted features;
-  whole copies over a replica axis "r" if `replicas` > 1."""
+  whole copies over a replica axis "r" if `replicas` > 1; a mesh of
+  Explicit axes (`jax.make_mesh`'s default) if `explicit`."""
   rng = np.random.default_rng(seed)
   mesh = test_util.mesh({"r": replicas, "x": ranks} if replicas > 1
-                        else {"x": ranks})
+                        else {"x": ranks}, explicit=explicit)
   opts = [pe.RowwiseAdagrad(0.1), pe.Sgd(0.05)]
   tables, features, shapes = [], [], {}
   batch_size = ranks * replicas * int(rng.integers(1, 3))
@@ -312,6 +314,16 @@ class PlacementModelTest(ModelCheck, parameterized.TestCase):
                      sorted(PLACEMENTS))
     self._check(coll, shapes, rng, f"seed {seed}\n{coll.plan}")
 
+  @parameterized.parameters((2, 1), (8, 1), (2, 2))
+  def test_random_collections_on_explicit_meshes(self, ranks, replicas):
+    """`jax.make_mesh` gives Explicit axes: the same model check."""
+    coll, shapes, rng = random_collection(ranks + 20, ranks, replicas,
+                                          explicit=True)
+    self.assertEqual(sorted({s.placement for s in coll.plan.stacks}),
+                     sorted(PLACEMENTS))
+    self._check(coll, shapes, rng, f"explicit {ranks}x{replicas}\n"
+                f"{coll.plan}")
+
   @parameterized.parameters(1, 2, 4, 8)
   def test_random_collections(self, ranks):
     """Lookups and three update steps of random mixed collections."""
@@ -348,6 +360,83 @@ def random_pooled_collection(seed, ranks):
                       1 if bag is None else int(rng.integers(*bag)))
   coll = pe.EmbeddingCollection(tables, features, mesh, "x", backend="xla")
   return coll, shapes, rng
+
+
+class ExplicitMeshTest(parameterized.TestCase):
+  """Every public entry gives the same bits on a mesh of Explicit axes as
+  on the same mesh with Auto axes: init, the step, table_arrays,
+  optimizer_arrays, checkpoints (across the two), serving states, export
+  and plan."""
+
+  def _pair(self, ranks=4):
+    pair = [random_collection(31, ranks, explicit=explicit)
+            for explicit in (False, True)]
+    self.assertEqual({s.placement for s in pair[1][0].plan.stacks},
+                     set(PLACEMENTS))
+    return pair
+
+  def test_step_and_arrays(self):
+    (auto, shapes, rng), (explicit, _, _) = self._pair()
+    batches = [random_batch(auto, shapes, rng)[0] for _ in range(2)]
+    out = []
+    for coll in (auto, explicit):
+      state = test_util.random_state(coll, 0)
+      for batch in batches:
+        emb, routing = coll.lookup_and_route(state, batch)
+        grads = {k: jnp.sin(v.astype(jnp.float32)).astype(v.dtype)
+                 for k, v in emb.items()}
+        state, _ = coll.apply_gradients(state, routing, grads)
+      out.append((emb, coll.table_arrays(state),
+                  coll.optimizer_arrays(state), state))
+    for got, want in zip(jax.tree.leaves(out[1][:3]),
+                         jax.tree.leaves(out[0][:3])):
+      test_util.assert_bits_equal(self, got, test_util.as_numpy(want))
+    for coll, (_, _, _, state) in zip((auto, explicit), out):
+      fresh = jax.tree.leaves(coll.init(jax.random.key(1)))
+      self.assertTrue(all(np.isfinite(test_util.as_numpy(x).astype(
+          np.float32)).all() for x in fresh if x.dtype.kind == "f"))
+    self.assertEqual(auto.plan.describe(), explicit.plan.describe())
+
+  def test_checkpoint_moves_between_mesh_kinds(self):
+    (auto, _, _), (explicit, _, _) = self._pair()
+    for source, target in ((auto, explicit), (explicit, auto)):
+      state = test_util.random_state(source, 3)
+      with tempfile.TemporaryDirectory() as d:
+        checkpoint.save_collection(d, source, state, step=1)
+        restored, _ = checkpoint.restore_collection(d, target)
+      for name, table in source.table_arrays(state).items():
+        test_util.assert_bits_equal(
+            self, target.table_arrays(restored)[name],
+            test_util.as_numpy(table), name)
+
+  def test_serving_and_export(self):
+    (auto, shapes, rng), (explicit, _, _) = self._pair(2)
+    batch, _ = random_batch(auto, shapes, rng)
+    served = {}
+    for kind, coll in (("auto", auto), ("explicit", explicit)):
+      state = test_util.random_state(coll, 5)
+      for dtype in ("int8", "bfloat16"):
+        serving = coll.quantize(state, dtype)
+        served[kind, dtype] = jax.jit(coll.lookup)(serving, batch)
+      # An exported program takes arrays: bags as (ids, weights).
+      ids = {k: getattr(v, "ids", v) for k, v in batch.items()}
+      weights = {k: v.weights for k, v in batch.items()
+                 if isinstance(v, pe.Bag)}
+
+      def lookup(serving, ids, weights, coll=coll):
+        return coll.lookup(serving, {
+            k: pe.Bag(v, weights=weights[k]) if k in weights else v
+            for k, v in ids.items()})
+
+      with tempfile.TemporaryDirectory() as d:
+        export.save(d, lookup, coll.quantize(state, "int8"),
+                    [(ids, weights)])
+        served[kind, "export"] = export.load(d)(ids, weights)
+    for dtype in ("int8", "bfloat16", "export"):
+      for got, want in zip(jax.tree.leaves(served["explicit", dtype]),
+                           jax.tree.leaves(served["auto", dtype])):
+        test_util.assert_bits_equal(self, got, test_util.as_numpy(want),
+                                    dtype)
 
 
 class PoolOnOwnerTest(ModelCheck, parameterized.TestCase):

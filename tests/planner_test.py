@@ -234,6 +234,53 @@ class PlanTest(parameterized.TestCase):
               device_memory=10**9, reserve=2 * 10**9)
 
 
+class TinyTablesTest(absltest.TestCase):
+  """Why a tiny table is not replicated, in numbers (docs/planner.md)."""
+
+  def test_report_shows_every_placement_of_a_table(self):
+    for ranks in (2, 8):
+      _, report = run_plan(ranks, 10**9)
+      for t in report.tables:
+        allowed = ("row", "table", "replicated") + (
+            ("column",) if dict((n, d) for n, _, d in SPECS)[t.name] % ranks
+            == 0 else ())
+        self.assertEqual(sorted(t.alternatives), sorted(allowed), t.name)
+        for p, (mem, sent) in t.alternatives.items():
+          if p != "table":  # a lone table-placed table: its rank's bytes
+            self.assertEqual(mem, model_memory(t.name, p, ranks), (t, p))
+          self.assertEqual(sent, round(model_sent(t.name, p, ranks)), (t, p))
+        self.assertEqual((t.bytes_per_rank, t.sent_per_step),
+                         t.alternatives[t.placement])
+
+  def test_tiny_tables_go_where_they_send_least(self):
+    """The issue's set: 8 ranks, 0.75x the column-only memory, 3 big
+    tables and twelve of 3-1,000 rows. A row-placed tiny table's bucket
+    holds at most its rows, so it sends less than the per-id gradients a
+    replicated one all-gathers; the report prints both figures."""
+    opt = pe.RowwiseAdagrad(0.1)
+    sizes = [(3_000_000, 8), (200_000, 128), (500_000, 32)] + [
+        (r, 16) for r in (3, 5, 10, 20, 50, 80, 100, 200, 300, 500, 700,
+                          1000)]
+    tables = [pe.TableSpec(f"t{i}", r, w, optimizer=opt)
+              for i, (r, w) in enumerate(sizes)]
+    features = [pe.FeatureSpec(f"f{i}", f"t{i}") for i in range(len(sizes))]
+    mesh = test_util.mesh({"x": 8})
+    _, free = pe.plan(tables, features, mesh, table_axis="x",
+                      batch_size=1024, device_memory=10**12, reserve=0)
+    budget = int(0.75 * free.column_only_memory)
+    _, report = pe.plan(tables, features, mesh, table_axis="x",
+                        batch_size=1024, device_memory=budget, reserve=0)
+    text = str(report)
+    for t, (rows, _) in zip(report.tables, sizes):
+      if rows > 100:
+        continue
+      mem, sent = t.alternatives["replicated"]
+      self.assertLess(t.sent_per_step, sent, t)
+      self.assertIn(f"replicated it would store {mem} bytes per rank and "
+                    f"send {sent} bytes per step", text)
+    self.assertLessEqual(max(report.memory_per_rank), budget)
+
+
 class BatchStatsTest(absltest.TestCase):
 
   def test_counts(self):

@@ -341,6 +341,47 @@ LOADER = textwrap.dedent("""
 """)
 
 
+class ServingLayersTest(parameterized.TestCase):
+  """The Flax and Haiku EmbeddingCollection layers serve a ServingState:
+  the same outputs as `lookup` on it, against the numpy model."""
+
+  @parameterized.product(dtype=("int8", "bfloat16", "float16"),
+                         placements=(("column",) * 3, MIXED))
+  def test_layers_serve_quantized_tables(self, dtype, placements):
+    import flax.linen as nn  # pylint: disable=g-import-not-at-top
+    import haiku as hk  # pylint: disable=g-import-not-at-top
+    from pallas_emb import flax as pe_flax  # pylint: disable=g-import-not-at-top
+    from pallas_emb import haiku as pe_hk  # pylint: disable=g-import-not-at-top
+    coll = make_collection(2, "xla", placements)
+    serving = coll.quantize(coll.state_from_arrays(host_tables()), dtype)
+    batch = make_batch()
+    want = np_lookup(host_tables(), batch, dtype)
+
+    class Model(nn.Module):  # a dense layer on top: params beside serving
+      @nn.compact
+      def __call__(self, b):
+        emb = pe_flax.EmbeddingCollection(coll, name="embed")(b)
+        return emb, nn.Dense(1)(emb["item"].astype(jnp.float32))
+
+    model = Model()
+    dense = {"Dense_0": {"kernel": jnp.ones((16, 1)), "bias": jnp.zeros(1)}}
+    flax_out, _ = jax.jit(model.apply)(
+        {"params": dense, **pe_flax.serving_variables(serving, "embed")},
+        batch)
+    hk_fn = hk.without_apply_rng(hk.transform(
+        lambda b, s: pe_hk.EmbeddingCollection(coll, name="embed")(b, s)))
+    hk_out = jax.jit(hk_fn.apply)({}, batch, serving)
+    for name in want:
+      test_util.assert_bits_equal(self, flax_out[name], want[name], name)
+      test_util.assert_bits_equal(self, hk_out[name], want[name], name)
+
+  def test_wrong_serving_values_are_named(self):
+    from pallas_emb import flax as pe_flax  # pylint: disable=g-import-not-at-top
+    with self.assertRaisesRegex(pe.InputError, "serving_variables got a dict;"
+                                " expected a ServingState"):
+      pe_flax.serving_variables({"stack0": jnp.zeros((4, 4))}, "embed")
+
+
 class ServingExportTest(absltest.TestCase):
 
   def test_exported_scores_match_in_a_fresh_process(self):
