@@ -70,7 +70,10 @@ class EmbeddingCollection:
     replica_axis: mesh axis name(s) over which whole copies of the tables
       are kept, any placement (the batch is sharded over replica_axis +
       data_axis; every update sums all copies' gradients).
-    backend: "pallas", "interpret", "xla" or None (pallas on GPU, else xla).
+    backend: one of `validation.BACKENDS` (BUILD.md, "Backends"): None
+      (the fastest measured on the platform: triton on GPU, else xla),
+      "pallas" (the platform's Pallas kernels), "triton", "mosaic_tpu",
+      "xla", "interpret" or "mosaic_tpu_interpret".
     kernel_config: tile sizes of the Pallas kernels (`kernels.KernelConfig`;
       None: each kernel's shape heuristic). The Trainer and the layers use
       the collection's.

@@ -86,8 +86,8 @@ class Embed(hk.Module):
       ctx: the layout, from `pallas_emb.make_context`.
       w_init: initializer of the table; default `TruncatedNormal()`.
       dtype: dtype of the table (float32 or bfloat16).
-      backend: lookup backend ("pallas", "interpret", "xla"); None picks
-        pallas on GPU and xla elsewhere.
+      backend: lookup backend (`validation.BACKENDS`); None picks the
+        fastest measured on the platform.
       padding_id: an id that gets no gradient (None: every id trains).
       name: module name (default "embed").
     """

@@ -269,7 +269,8 @@ def apply_gradients(ctx: EmbeddingContext, opt, table: jax.Array, opt_state,
     emb_grads: gradients w.r.t. lookup's output, shaped and sharded like it.
     dedup_result: `dedup` (or `lookup_and_dedup`) of the ids looked up.
     pending: apply (True) or skip (False) this update; may be traced.
-    backend: "pallas", "interpret", "xla" or None for the platform default.
+    backend: one of `validation.BACKENDS` (BUILD.md, "Backends"); None
+      picks the fastest measured on the platform.
     kernel_config: `pe.KernelConfig` tile sizes (None: heuristics).
 
   Returns:
