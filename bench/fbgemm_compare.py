@@ -27,7 +27,10 @@ collection's unique buffer fit to the workload's ids by
 for every id distinct); a case name ending in `_map` (`sequence_map`,
 `pooled_map`, `pooled_fit_map`) runs the same with
 `EmbeddingCollection(dedup="slot_map")`, the sort-free dedup, so one run
-can time both dedups. One jitted step, the state donated:
+can time both dedups; `default` is the pooled feature on a collection built
+with no tuning argument (backend, dedup and unique buffer as a user gets
+them), the case the defaults must make fast. One jitted step, the state
+donated:
 
     emb, routing = coll.lookup_and_route(state, {"f": ids})
     loss, g = jax.value_and_grad(lambda e: sum(e["f"] * cotangent))(emb)
@@ -97,8 +100,9 @@ _SEED = flags.DEFINE_integer("seed", 0, "Seed of table, ids, cotangent.")
 _DTYPES = flags.DEFINE_list("dtypes", ["float32", "bfloat16"],
                             "pallas_emb table dtypes.")
 _PALLAS_CASES = flags.DEFINE_list(
-    "pallas_cases", ["sequence", "pooled", "pooled_fit"],
-    "pallas_emb features (bags > 1 run the pooled ones); `_fit`: the "
+    "pallas_cases", ["default", "pooled_fit_map", "sequence_map"],
+    "pallas_emb features (bags > 1 run the pooled ones); `default`: the "
+    "pooled feature on a collection with no tuning arguments; `_fit`: the "
     "collection's max_unique fit to the workload's ids "
     "(`EmbeddingCollection.fit_max_unique`, --fit_headroom); a `_map` "
     "suffix (e.g. pooled_fit_map): dedup='slot_map' instead of the sort.")
@@ -263,9 +267,12 @@ def run_pallas(work: dict, arrays: dict, directory: str, dtype_name: str,
                                   eps=float(arrays["eps"])))
   feature = pe.FeatureSpec(
       "f", "t", combiner=None if feature_kind == "sequence" else "sum")
-  coll = pe.EmbeddingCollection(
-      [table_spec], [feature], mesh, "x", backend="xla",
-      dedup="slot_map" if kind.endswith("_map") else "sort")
+  if kind == "default":
+    coll = pe.EmbeddingCollection([table_spec], [feature], mesh, "x")
+  else:
+    coll = pe.EmbeddingCollection(
+        [table_spec], [feature], mesh, "x", backend="xla",
+        dedup="slot_map" if kind.endswith("_map") else "sort")
   init = np.load(os.path.join(directory, "table.npy"), mmap_mode="r")
   table = jax.jit(lambda x: x.astype(dtype))(init)
   state = coll.state_from_arrays({"t": table})
@@ -496,7 +503,9 @@ def compare(a: dict, b: dict) -> dict:
 
 def base_case(case: str, fit: bool = True) -> str:
   """'pooled_fit_map' -> 'pooled': the feature a pallas_emb case runs
-  ('pooled_fit' with fit=False)."""
+  ('pooled_fit' with fit=False; 'default' runs the pooled one)."""
+  if case == "default":
+    return "pooled"
   case = case.removesuffix("_map")
   return case.removesuffix("_fit") if fit else case
 

@@ -78,10 +78,12 @@ class EmbeddingCollection:
       None: each kernel's shape heuristic). The Trainer and the layers use
       the collection's.
     dedup: how column and replicated stacks find a batch's unique rows:
-      "sort" (default) or "slot_map" (xla backend only; no sort, through an
-      int32 `[rows]` map per stack in the state, 4 bytes a row on every
-      rank; the same trained values; docs/cpu_performance.md, "Dedup
-      without a sort"). Row and table stacks always sort.
+      "sort", "slot_map" (xla backend only; no sort, through an int32
+      `[rows]` map per stack in the state, 4 bytes a row on every rank; the
+      same trained values; docs/cpu_performance.md, "Dedup without a
+      sort") or None (default): the faster one measured on the platform,
+      `validation.default_dedup` (the slot map on CPUs with the xla
+      backend, else the sort). Row and table stacks always sort.
 
   Layout rules 1-3 and 5 (validation.py) are checked here; rule 4 (the batch
   shards evenly) at each call, naming the feature.
@@ -94,7 +96,7 @@ class EmbeddingCollection:
                replica_axis: str | Sequence[str] = (),
                backend: str | None = None,
                kernel_config: kernels.KernelConfig | None = None,
-               dedup: str = "sort"):
+               dedup: str | None = None):
     tables, features = tuple(tables), tuple(features)
     self.table_axis, self.data_axis, self.replica_axis = (
         validation.check_layout(mesh, table_axis, data_axis, replica_axis,
@@ -103,8 +105,9 @@ class EmbeddingCollection:
     self.group_size = validation.axes_size(mesh, self.table_axis)
     self.num_replicas = validation.axes_size(mesh, self.replica_axis)
     self.backend = validation.resolve_backend(mesh, backend)
-    self.dedup = validation.check_dedup(dedup, self.backend,
-                                        "EmbeddingCollection")
+    self.dedup = validation.check_dedup(
+        dedup, self.backend, "EmbeddingCollection",
+        platform=mesh.devices.flat[0].platform)
     if kernel_config is not None and not isinstance(kernel_config,
                                                     kernels.KernelConfig):
       raise InputError(

@@ -343,7 +343,7 @@ def plan(tables: Sequence[TableSpec], features: Sequence[FeatureSpec],
          mesh: jax.sharding.Mesh, *, table_axis, batch_size: int,
          device_memory: int | None = None,
          stats: Mapping[str, FeatureStats] | None = None,
-         reserve: int | None = None, dedup: str = "sort"
+         reserve: int | None = None, dedup: str | None = None
          ) -> tuple[list[TableSpec], PlanReport]:
   """Chooses every table's placement (and rank) under a memory budget.
 
@@ -359,7 +359,9 @@ def plan(tables: Sequence[TableSpec], features: Sequence[FeatureSpec],
     reserve: bytes per device kept for the dense model and step buffers
       (None: a fifth of device_memory).
     dedup: the collection's `dedup` ("slot_map": column and replicated
-      tables count their stack's slot map, 4 bytes a row on every rank).
+      tables count their stack's slot map, 4 bytes a row on every rank;
+      None: the default a collection on `mesh` with the default backend
+      takes, `validation.default_dedup`).
 
   Returns:
     `(tables with placements, PlanReport)`.
@@ -389,7 +391,9 @@ def plan(tables: Sequence[TableSpec], features: Sequence[FeatureSpec],
   budget = device_memory - reserve
   _check_stats(stats or {}, features)
   model = _Model(tables, features, ranks, batch_size, dict(stats or {}),
-                 validation.check_dedup(dedup, None, "plan"))
+                 validation.check_dedup(
+                     dedup, validation.resolve_backend(mesh, None), "plan",
+                     platform=mesh.devices.flat[0].platform))
 
   # Column needs the width to divide; a table whose W blocks of its rows
   # (table placement pads every rank to it) exceed int32 ids is not placed
@@ -486,7 +490,7 @@ def plan_cost(tables: Sequence[TableSpec], features: Sequence[FeatureSpec],
   validation.check_positive("plan_cost batch_size", batch_size)
   _check_stats(stats or {}, features)
   model = _Model(tables, features, ranks, batch_size, dict(stats or {}),
-                 validation.check_dedup(dedup, None, "plan_cost"))
+                 validation.check_dedup(dedup, "xla", "plan_cost"))
   homes = model.homes(tables)
   shards = [0] * ranks
   for t in tables:

@@ -83,7 +83,7 @@ def _collection(ctx: EmbeddingContext, vocab_rows: int, dtype, optimizer,
   return EmbeddingCollection(
       [table], [FeatureSpec(_FEATURE, _TABLE)], ctx.mesh, ctx.table_axis,
       data_axis=ctx.data_axis, replica_axis=ctx.replica_axis,
-      backend=backend, kernel_config=kernel_config)
+      backend=backend, kernel_config=kernel_config, dedup="sort")
 
 
 def _facade(ctx, vocab_rows, dtype=jnp.float32, optimizer=None, *,

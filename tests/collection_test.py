@@ -23,6 +23,7 @@ from jax.sharding import PartitionSpec as P
 
 import numpy_model
 import pallas_emb as pe
+from pallas_emb import validation
 from pallas_emb.dedup import MAP_SENTINEL
 
 OPT_KWS = [
@@ -667,12 +668,17 @@ class ValidationTest(parameterized.TestCase):
                                 "xla backend only, not backend='interpret'; "
                                 "pass backend='xla' or dedup='sort'"):
       self._coll(dedup="slot_map", backend="interpret")
+    # The default: the faster dedup measured for the platform and backend.
+    self.assertEqual(self._coll().dedup, "slot_map")  # CPU, xla
+    self.assertEqual(self._coll(backend="interpret").dedup, "sort")
+    self.assertEqual(validation.default_dedup("tpu", "xla"), "sort")
     with self.assertRaisesRegex(pe.InputError, "plan dedup='x'"):
       pe.plan([pe.TableSpec("t", 10, 8, optimizer=self.opt)],
               [pe.FeatureSpec("f", "t")], self.mesh, table_axis="x",
               batch_size=8, device_memory=2**30, dedup="x")
     # A state of the sort twin has no map: its route makes a fresh one.
-    maps, sort = self._coll(dedup="slot_map", backend="xla"), self._coll()
+    maps = self._coll(dedup="slot_map", backend="xla")
+    sort = self._coll(dedup="sort")
     batch, grads = {"f": np.arange(8, dtype=np.int32)}, {
         "f": np.ones((8, 8), np.float32)}
     state, _ = maps.apply_gradients(test_util.random_state(sort, 0), batch,

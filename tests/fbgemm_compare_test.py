@@ -45,8 +45,9 @@ def fake_python(directory: str) -> str:
 class FbgemmCompareTest(absltest.TestCase):
 
   def test_pallas_side_and_skip_message(self):
-    doc, stdout, leftovers = run_compare("--fbgemm_python=/nonexistent/python",
-                                         "--profile", "--profile_steps=1")
+    doc, stdout, leftovers = run_compare(
+        "--fbgemm_python=/nonexistent/python", "--profile",
+        "--profile_steps=1", "--pallas_cases=sequence,pooled,pooled_fit,default")
     self.assertIn(fbgemm_compare.SKIP, stdout)
     self.assertIn("/nonexistent/python is not an executable", stdout)
     self.assertIn("fbgemm-gpu-cpu==1.8.0", doc["meta"]["fbgemm_skipped"])
@@ -57,8 +58,9 @@ class FbgemmCompareTest(absltest.TestCase):
     self.assertTrue(all(r["side"] == "pallas_emb" for r in results))
     cases = {(r["workload"], r["case"]) for r in results}
     self.assertEqual(cases, {("a", "sequence"), ("a", "pooled"),
-                             ("a", "pooled_fit"), ("b", "pooled"),
-                             ("b", "pooled_fit")})
+                             ("a", "pooled_fit"), ("a", "default"),
+                             ("b", "pooled"), ("b", "pooled_fit"),
+                             ("b", "default")})
     for r in results:
       self.assertGreater(r["median_ms"], 0)
       self.assertLen(r["losses"], 3)  # warmup + steps
@@ -78,11 +80,13 @@ class FbgemmCompareTest(absltest.TestCase):
     c = by_pair[("a", "pallas_emb sequence float32",
                  "pallas_emb pooled float32")]
     self.assertLess(c["max_abs_diff_rows"], 1e-6)
-    # A unique buffer fit to the ids changes no bit of the training.
+    # A unique buffer fit to the ids, or the default collection (its
+    # platform's dedup), changes no bit of the training.
     for workload in ("a", "b"):
-      c = by_pair[(workload, "pallas_emb pooled float32",
-                   "pallas_emb pooled_fit float32")]
-      self.assertEqual(c["max_abs_diff_rows"], 0.0)
+      for other in ("pooled_fit", "default"):
+        c = by_pair[(workload, "pallas_emb pooled float32",
+                     f"pallas_emb {other} float32")]
+        self.assertEqual(c["max_abs_diff_rows"], 0.0, other)
     self.assertIn("workload", doc["table"])
 
   def test_skip_when_fbgemm_does_not_import(self):

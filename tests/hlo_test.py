@@ -326,7 +326,8 @@ class OneExchangePerStackTest(parameterized.TestCase):
         [pe.FeatureSpec("item", "items"), pe.FeatureSpec("history", "items"),
          pe.FeatureSpec("user", "users"), pe.FeatureSpec("genre", "genre"),
          pe.FeatureSpec("genres_seen", "genre"),
-         pe.FeatureSpec("city", "city")], mesh, "x", backend="xla")
+         pe.FeatureSpec("city", "city")], mesh, "x", backend="xla",
+        dedup="sort")
     self.assertLen(self.coll.plan.stacks, 2)
     rng = np.random.default_rng(0)
     shapes = {"item": (16,), "history": (16, 5), "user": (16,),
@@ -341,11 +342,15 @@ class OneExchangePerStackTest(parameterized.TestCase):
                 for e in emb.values())
     return total, ()
 
-  @parameterized.parameters(True, False)
-  def test_trainer_step(self, pipelined):
-    trainer = pipeline.Trainer(self.coll, self.loss_fn, optax.sgd(0.1),
+  @parameterized.product(pipelined=(True, False),
+                         dedup=("sort", "slot_map"))
+  def test_trainer_step(self, pipelined, dedup):
+    coll = pe.EmbeddingCollection(
+        list(self.coll.tables.values()), list(self.coll.features.values()),
+        self.coll.mesh, "x", backend="xla", dedup=dedup)
+    trainer = pipeline.Trainer(coll, self.loss_fn, optax.sgd(0.1),
                                pipelined=pipelined)
-    state = trainer.init(test_util.random_state(self.coll, 0),
+    state = trainer.init(test_util.random_state(coll, 0),
                          {"w": jnp.ones((16,), jnp.float32)},
                          self.batch if pipelined else None)
     args = (state, self.batch, self.batch) if pipelined else (state,
@@ -354,10 +359,12 @@ class OneExchangePerStackTest(parameterized.TestCase):
     text = lowered.as_text()
     # Per stack: the ids' all-gather (shared by lookup, dedup and update)
     # and the row-norm sum; the lookup's and the gradients' all-to-all; one
-    # dedup (one sort), one gather, one scatter of the update.
+    # dedup (one sort, or none through the slot map), one gather, one
+    # scatter of the update.
     self.assertEqual(text.count("stablehlo.all_gather"), 2 * 2)
     self.assertEqual(text.count("stablehlo.all_to_all"), 2 * 2)
-    self.assertEqual(text.count("stablehlo.sort"), 2)
+    self.assertEqual(text.count("stablehlo.sort"),
+                     2 if dedup == "sort" else 0)
     self.assertEqual(text.count("stablehlo.all_reduce"), 0)
     compiled = hlo.collective_bytes(lowered.compile().as_text(), 8)
     self.assertEqual(compiled["all-to-all"]["count"], 4)

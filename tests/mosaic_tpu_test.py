@@ -82,6 +82,22 @@ class LookupKernelTest(parameterized.TestCase):
     self.assertTrue((err <= ulp * np.abs(want) + 8 * 2.0**-24 * scale
                      + 1e-30).all(), err.max())
 
+  def test_pool_of_bags_too_long_for_a_tile(self):
+    """16 bags x 300 entries x 256 columns pass the tile limit: the xla
+    backend's pooling, the same bits."""
+    rng = np.random.default_rng(3)
+    args = pool_test.random_case(rng, 50, 256, 5, 300, jnp.float32)
+    out = kernels.pool_rows(*args, max_len=300, backend=BACKEND)
+    test_util.assert_bits_equal(self, out, test_util.as_numpy(
+        reference.pool_rows(*args, max_len=300)))
+    pool = lambda *a, max_len: kernels.pool_rows(*a, max_len=max_len,
+                                                 backend="mosaic_tpu")
+    for max_len, kernel in ((300, False), (5, True)):
+      text = jax.jit(pool, static_argnames="max_len").trace(
+          *args, max_len=max_len).lower(
+              lowering_platforms=("tpu",)).as_text()
+      self.assertEqual("pallas_emb_pool_tpu" in text, kernel, max_len)
+
   def test_pool_f32_output_of_a_bf16_table(self):
     rng = np.random.default_rng(7)
     args = pool_test.random_case(rng, 20, 16, 9, 3, jnp.bfloat16)

@@ -71,7 +71,10 @@ def model_cost(placements, w):
 
 
 def run_plan(ranks, budget, **kw):
+  """`pe.plan` of SPECS; the sort dedup (no slot maps), as the model above
+  counts, unless `dedup=` says otherwise."""
   tables, features, stats = specs()
+  kw.setdefault("dedup", "sort")
   return pe.plan(tables, features, test_util.mesh({"x": ranks}),
                  table_axis="x", batch_size=BATCH, device_memory=budget,
                  reserve=0, stats=stats, **kw)
@@ -232,6 +235,19 @@ class PlanTest(parameterized.TestCase):
     with self.assertRaisesRegex(pe.InputError, "reserve=2000000000"):
       pe.plan(tables, features, mesh, table_axis="x", batch_size=4,
               device_memory=10**9, reserve=2 * 10**9)
+
+
+class DefaultDedupTest(absltest.TestCase):
+
+  def test_plan_counts_the_dedup_a_default_collection_takes(self):
+    """On CPU meshes a default collection dedups through slot maps, so the
+    default plan counts their 4 bytes a row (column and replicated)."""
+    default = run_plan(8, 10**9, dedup=None)[1]
+    maps = run_plan(8, 10**9, dedup="slot_map")[1]
+    self.assertEqual(default.as_dict(), maps.as_dict())
+    sort = run_plan(8, 10**9)[1]
+    self.assertGreater(max(default.memory_per_rank),
+                       max(sort.memory_per_rank))
 
 
 class TinyTablesTest(absltest.TestCase):

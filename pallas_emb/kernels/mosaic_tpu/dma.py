@@ -22,6 +22,8 @@ TILE_BYTES = 1 << 20
 # packs 16 rows into a (16, 128) tile).
 ROW_ALIGN = 16
 MAX_BLOCK_ROWS = 512
+# The pooled lookup's tile of entry rows (f32 bytes) may not pass this.
+MAX_POOL_TILE_BYTES = 4 << 20
 
 
 def block_rows(num_rows: int, width: int, *, copies: int = 1) -> int:

@@ -11,7 +11,9 @@ first (`[M, max_len]` entries, padding entries marked -1): program i copies
 the rows of its `R` bags' entries into a `[max_len * R, S]` tile, entry k of
 every bag in rows `k * R ... k * R + R - 1`, and sums the `max_len` `[R, S]`
 slices. Padding entries copy nothing: their rows are zeros and their
-weights 0, so they add +0.0, as the twin's masked lanes do.
+weights 0, so they add +0.0, as the twin's masked lanes do. Bags so long
+that 16 bags' entry rows pass `dma.MAX_POOL_TILE_BYTES` are pooled by the
+xla backend's gathers instead.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_emb.kernels import common
+from pallas_emb.kernels import xla
 from pallas_emb.kernels.mosaic_tpu import dma
 
 
@@ -108,6 +111,11 @@ def pool_rows(table: jax.Array, rows: jax.Array, weights: jax.Array,
   if num_bags == 0 or max_len == 0 or rows.shape[0] == 0:
     return jnp.zeros((num_bags, width), out_dtype)
   block = dma.block_rows(num_bags, width, copies=max_len)
+  if block * max_len * width * 4 > dma.MAX_POOL_TILE_BYTES:
+    # Bags too long for even the smallest tile of entry rows in VMEM: XLA's
+    # gathers (the same sums in the same order).
+    return xla.pool_rows(table, rows, weights, bag_starts, max_len=max_len,
+                         out_dtype=out_dtype)
   num_blocks = pl.cdiv(num_bags, block)
   entries = block * max_len
   rows = common.wrap_and_clamp(rows.astype(jnp.int32), vocab_rows)
