@@ -31,6 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from pallas_emb import cpu_malloc
 from pallas_emb import exchange
 from pallas_emb import fitting
 from pallas_emb import inputs as inputs_lib
@@ -105,9 +106,11 @@ class EmbeddingCollection:
     self.group_size = validation.axes_size(mesh, self.table_axis)
     self.num_replicas = validation.axes_size(mesh, self.replica_axis)
     self.backend = validation.resolve_backend(mesh, backend)
+    platform = mesh.devices.flat[0].platform
     self.dedup = validation.check_dedup(
-        dedup, self.backend, "EmbeddingCollection",
-        platform=mesh.devices.flat[0].platform)
+        dedup, self.backend, "EmbeddingCollection", platform=platform)
+    if platform == "cpu":
+      cpu_malloc.keep_freed_memory()
     if kernel_config is not None and not isinstance(kernel_config,
                                                     kernels.KernelConfig):
       raise InputError(
