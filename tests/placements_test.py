@@ -408,6 +408,14 @@ class ExplicitMeshTest(parameterized.TestCase):
         test_util.assert_bits_equal(
             self, target.table_arrays(restored)[name],
             test_util.as_numpy(table), name)
+      # A serving state's checkpoint too.
+      serving = source.quantize(state, "int8")
+      with tempfile.TemporaryDirectory() as d:
+        checkpoint.save(d, serving, step=1)
+        back = checkpoint.restore_serving(d, target, "int8")
+      for got, want in zip(jax.tree.leaves(back),
+                           jax.tree.leaves(serving)):
+        test_util.assert_bits_equal(self, got, test_util.as_numpy(want))
 
   def test_serving_and_export(self):
     (auto, shapes, rng), (explicit, _, _) = self._pair(2)
