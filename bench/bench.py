@@ -90,7 +90,8 @@ _NUM_DEVICES = flags.DEFINE_integer(
 _DTYPE = flags.DEFINE_list("dtype", ["float32"],
                            "Table dtype(s): float32, bfloat16.")
 _BACKENDS = flags.DEFINE_list(
-    "backends", ["xla"], "Library backends to time: xla, pallas, interpret.")
+    "backends", ["xla"], "Library backends to time (pallas_emb.BACKENDS), "
+    "e.g. xla, pallas, mosaic_tpu, interpret.")
 _BASELINES = flags.DEFINE_list(
     "baselines", ["dense", "xla"],
     "Baselines timed in the same run (dense, xla); '' for none.")

@@ -129,7 +129,7 @@ if [[ "$DRY_RUN" == 1 ]]; then
   : "${PYTEST_KERNELS:=tests/gather_test.py tests/ptx_test.py}"
   : "${PYTEST_REST:=tests/segment_sum_test.py}"
 else
-  BACKEND=pallas
+  BACKEND=triton
   BENCH_ARGS=()
   : "${PYTEST_KERNELS:=tests/gather_test.py tests/pool_test.py
     tests/segment_sum_test.py tests/adagrad_test.py

@@ -525,7 +525,7 @@ def time_case(args, what, case: Case, tag: dict, copy_gbps: float
 
 def sweep_case(args, what, case: Case, tag: dict) -> list[dict]:
   """Every candidate config of the Pallas kernel, checked and timed."""
-  backend = "interpret" if args.interpret else "pallas"
+  backend = "interpret" if args.interpret else "triton"
   twin = _jit(case, "xla", None, 1)
   want = (twin(_copy_state(case.inputs[0]), *case.inputs[1:])
           if case.donated else twin(*case.inputs))

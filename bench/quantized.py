@@ -1,7 +1,7 @@
 """Serving gather: an f32 table vs its int8 row-wise copy, one process.
 
     python -m bench.quantized                    # 1M x 64, 16k Zipf ids, xla
-    python -m bench.quantized --backend pallas   # the Triton kernels (GPU)
+    python -m bench.quantized --backend triton   # the Triton kernels (GPU)
 
 Times `kernels.gather_rows` on the f32 table (and its bf16 cast) and
 `kernels.gather_dequantized` on `quantize_rows(table, "int8")` for the same

@@ -52,8 +52,9 @@ import numpy as np  # pylint: disable=g-import-not-at-top
 
 _BACKEND = flags.DEFINE_string(
     "backend", None,
-    "Run the tests on this backend only (pallas, interpret, xla); default: "
-    "xla and interpret, plus pallas on a GPU. Under pytest, set "
+    "Run the tests on this backend only (xla, interpret, triton, "
+    "mosaic_tpu, or pallas: the platform's); default: xla and interpret, "
+    "plus triton on a GPU. Under pytest, set "
     "PALLAS_EMB_TEST_BACKEND instead.")
 
 BF16 = ml_dtypes.bfloat16
@@ -91,14 +92,15 @@ def backends() -> list[str]:
   """The backends the tests run on."""
   chosen = _BACKEND.value if flags.FLAGS.is_parsed() else None
   chosen = chosen or os.environ.get("PALLAS_EMB_TEST_BACKEND")
+  if chosen == "pallas":  # the platform's Pallas backend
+    chosen = "triton" if ON_GPU else "mosaic_tpu" if ON_TPU else chosen
   if chosen:
     return [chosen]
-  # The Mosaic TPU kernels' interpreter runs in tests/mosaic_tpu_test.py.
+  # The Mosaic TPU kernels (interpreted, or on a TPU) run in
+  # tests/mosaic_tpu_test.py.
   found = ["xla", "interpret"]
   if ON_GPU:
     found.append("triton")
-  if ON_TPU:
-    found.append("mosaic_tpu")
   return found
 
 
