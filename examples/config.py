@@ -93,8 +93,9 @@ class TrainConfig:
   pipelined: bool = _field(
       True, "Pipelined one-step-stale step (else synchronous).")
   backend: str = _field(
-      "", "Kernel backend: 'pallas', 'interpret' or 'xla'; '': platform "
-      "default (pallas on GPU, xla elsewhere).")
+      "", "Kernel backend (pallas_emb.BACKENDS: 'pallas' for the platform's "
+      "Pallas kernels, 'triton', 'mosaic_tpu', 'xla', 'interpret', ...); "
+      "'': the platform's fastest measured.")
   num_unique: int = _field(
       0, "Unique ids per batch buffer; 0: min(batch_size, vocab) + 1, which "
       "never overflows.")
