@@ -101,14 +101,23 @@ def _temporaries(step, state, ids) -> int:
   return int(getattr(analysis, "temp_size_in_bytes", -1)) if analysis else -1
 
 
-def run_configuration(rows, width, dtype, kind):
-  """Median ms, speed-up over dense and temporaries of every case."""
+def run_configuration(rows, width, dtype, kind, failures):
+  """Median ms, speed-up over dense and temporaries of every case that
+  compiles and runs; a case that fails is named in `failures` and left
+  out (one chip session should measure everything that works)."""
   import jax  # pylint: disable=g-import-not-at-top
   cases, batches = _cases(rows, width, dtype, kind, _IDS.value, _BAG.value,
                           _BACKENDS.value, _DENSE.value, _ZIPF.value)
-  states = {name: state for name, (_, state) in cases.items()}
-  temps = {name: _temporaries(step, states[name], batches[0])
-           for name, (step, _) in cases.items()}
+  states, temps = {}, {}
+  for name, (step, state) in list(cases.items()):
+    try:
+      temps[name] = _temporaries(step, state, batches[0])
+      states[name] = jax.block_until_ready(step(state, batches[0]))
+    except Exception as e:  # pylint: disable=broad-except
+      failures.append(f"{rows} x {width} {dtype} {kind} {name}: "
+                      f"{type(e).__name__}: {e}")
+      print(f"FAILED {failures[-1][:2000]}", flush=True)
+      del cases[name]
   times = {name: [] for name in cases}
   calls = itertools.count()
   for round_ in range(_WARMUP.value + _REPEATS.value):
@@ -151,16 +160,19 @@ def main(argv):
   import jax  # pylint: disable=g-import-not-at-top
   print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}, "
         f"{_IDS.value} ids, bags of {_BAG.value}")
-  records = []
+  records, failures = [], []
   for rows, width, dtype, kind in itertools.product(
       _ROWS.value, _WIDTHS.value, _DTYPES.value, _KINDS.value):
-    records += run_configuration(int(float(rows)), int(width), dtype, kind)
-    print(format_table(records[-len(_BACKENDS.value) - _DENSE.value:]),
-          flush=True)
+    new = run_configuration(int(float(rows)), int(width), dtype, kind,
+                            failures)
+    records += new
+    print(format_table(new), flush=True)
     if _JSON_OUT.value:
       with open(_JSON_OUT.value, "w") as f:
         json.dump(records, f, indent=1)
   print("\nAll configurations:\n" + format_table(records))
+  for failure in failures:
+    print(f"FAILED {failure[:300]}")
 
 
 if __name__ == "__main__":
