@@ -541,7 +541,26 @@ def format_table(records: list[dict]) -> str:
   lines = ["  ".join(str(c).rjust(w) for c, w in zip(x, widths))
            for x in rows]
   lines.insert(1, "-" * len(lines[0]))
-  return "\n".join(lines)
+  return "\n".join(lines + default_vs_tuned(records))
+
+
+def default_vs_tuned(records: list[dict]) -> list[str]:
+  """Per workload and dtype, the default collection's time over the
+  fastest other pallas_emb case's (the best tuned one in the run)."""
+  lines = []
+  ours = [r for r in records if r["side"] == "pallas_emb"]
+  for key in dict.fromkeys((r["workload"], r["dtype"]) for r in ours):
+    same = [r for r in ours if (r["workload"], r["dtype"]) == key]
+    default = [r for r in same if r["case"] == "default"]
+    tuned = [r for r in same if r["case"] != "default"
+             and base_case(r["case"]) == "pooled"]
+    if default and tuned:
+      best = min(tuned, key=lambda r: r["median_ms"])
+      lines.append(
+          f"{key[0]} {key[1]}: default {default[0]['median_ms']:.2f} ms = "
+          f"{default[0]['median_ms'] / best['median_ms']:.2f}x the best "
+          f"tuned case ({best['case']}, {best['median_ms']:.2f} ms)")
+  return lines
 
 
 def _public(r: dict) -> dict:

@@ -88,6 +88,9 @@ class FbgemmCompareTest(absltest.TestCase):
                      f"pallas_emb {other} float32")]
         self.assertEqual(c["max_abs_diff_rows"], 0.0, other)
     self.assertIn("workload", doc["table"])
+    for workload in ("a", "b"):
+      self.assertRegex(doc["table"], f"{workload} float32: default [0-9.]+ "
+                       r"ms = [0-9.]+x the best tuned case \(pooled")
 
   def test_skip_when_fbgemm_does_not_import(self):
     with tempfile.TemporaryDirectory() as tmp:

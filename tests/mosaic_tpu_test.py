@@ -256,6 +256,19 @@ class TpuLoweringTest(parameterized.TestCase):
          opt.kernel_name + "_tpu"})
     self.assertNotIn("triton", text)
 
+  @parameterized.parameters("row", "table", "replicated")
+  def test_every_placement_lowers_with_mosaic_calls(self, placement):
+    coll = _collection("mosaic_tpu", jnp.float32, 64, placement,
+                       pe.Adam(0.01))
+    state = jax.eval_shape(coll.init, jax.random.key(0))
+    batch = jax.eval_shape(lambda: _batch(0, batch=64))
+    text = jax.jit(lambda s, b: _step(coll, s, b)).trace(
+        state, batch).lower(lowering_platforms=("tpu",)).as_text()
+    kernels_in = set(MOSAIC_KERNELS.findall(text))
+    self.assertIn("pallas_emb_adam_tpu", kernels_in)
+    self.assertIn("pallas_emb_gather_tpu", kernels_in)
+    self.assertNotIn("triton", text)
+
 
 def _fake_mesh(platform):
   device = types.SimpleNamespace(platform=platform)
