@@ -46,6 +46,6 @@ def get_config() -> SeqRecConfig:
       emb_optimizer="adam",
       emb_lr=1e-3,
       seed=42,
-      length_buckets="64,128",
+      length_buckets="auto",  # 64,128 on CPUs, one shape on accelerators
       eval_every=2,
   )

@@ -9,6 +9,7 @@ import dataclasses
 import json
 import os
 import tempfile
+from unittest import mock
 
 import test_util  # pylint: disable=unused-import  # 8 CPU devices first
 from absl import flags
@@ -25,6 +26,7 @@ from examples.config import SeqRecConfig
 from examples.seqrec import data as data_lib
 from examples.seqrec import hstu
 from examples.seqrec import model as model_lib
+from examples.seqrec import run as seqrec_run
 from pallas_emb import datasets
 from pallas_emb.datasets import movielens1m as ml1m
 
@@ -276,6 +278,16 @@ class ConfigTest(absltest.TestCase):
                                            "movielens_1m_hstu.py"))
     self.assertEqual(hstu_config, dataclasses.replace(load_config(CONFIG),
                                                       encoder="hstu"))
+
+  def test_auto_length_buckets_follow_the_platform(self):
+    config = SeqRecConfig(length_buckets="auto", max_len=200)
+    with mock.patch.object(seqrec_run, "AUTO_BUCKETS",
+                           {jax.devices()[0].platform: "64,128"}):
+      self.assertEqual(seqrec_run.buckets(config), (64, 128, 200))
+    with mock.patch.object(seqrec_run, "AUTO_BUCKETS", {}):  # accelerators
+      self.assertEqual(seqrec_run.buckets(config), (200,))
+    self.assertEqual(seqrec_run.AUTO_BUCKETS, {"cpu": "64,128"})
+    self.assertEqual(load_config(CONFIG).length_buckets, "auto")
 
   def test_bad_values_raise_config_error_before_loading(self):
     for field, value, match in (

@@ -61,10 +61,19 @@ def check_config(config: SeqRecConfig) -> None:
   buckets(config)
 
 
+# --length_buckets=auto: buckets on CPUs, where attention's square of the
+# length dominates a step; one shape on accelerators, where compiling a
+# program per bucket (and per pipelined pair of buckets) is what costs.
+AUTO_BUCKETS = {"cpu": "64,128"}
+
+
 def buckets(config: SeqRecConfig) -> tuple[int, ...]:
   """The length buckets, max_len last; raises ConfigError."""
+  spec = config.length_buckets
+  if spec == "auto":
+    spec = AUTO_BUCKETS.get(jax.devices()[0].platform, "")
   try:
-    lengths = [int(x) for x in config.length_buckets.split(",") if x.strip()]
+    lengths = [int(x) for x in spec.split(",") if x.strip()]
   except ValueError:
     lengths = [0]
   if any(not 0 < n < config.max_len for n in lengths) or (
@@ -129,6 +138,15 @@ def build(config: SeqRecConfig, data: data_lib.SeqData) -> Run:
   return Run(config, data, collection, encoder, trainer)
 
 
+def _skipped(updates: list) -> int:
+  """Staged updates that were not applied among the steps' stats (read
+  from the device), emptying the list."""
+  count = sum(int(s.pending and not s.valid)
+              for u in jax.device_get(updates) for s in u.values())
+  updates.clear()
+  return count
+
+
 def train(config: SeqRecConfig, log: Callable[[str], None] = print) -> dict:
   """Trains, evaluates validation every eval_every epochs and test at the
   end; returns the metrics dict (what --metrics_out writes)."""
@@ -162,7 +180,11 @@ def train(config: SeqRecConfig, log: Callable[[str], None] = print) -> dict:
   evaluator = evaluate.RankingEvaluator(
       run.trainer, run.encoder, data.item_rows, config.eval_batch_size)
   step_fn = jax.jit(run.trainer.step, donate_argnums=0)
-  curve, losses, skipped = [], [], 0
+  curve, losses, updates, skipped = [], [], [], 0
+  # As examples/loop.py: queued steps can deadlock XLA:CPU's in-process
+  # collectives, so on CPU each step finishes before the next one starts.
+  sync_each_step = (jax.devices()[0].platform == "cpu"
+                    and jax.device_count() > 1)
   t_first = None
   users_per_step = data.num_users / per_epoch
   step = 0
@@ -175,13 +197,14 @@ def train(config: SeqRecConfig, log: Callable[[str], None] = print) -> dict:
       state, metrics = step_fn(state, current)
     current = following
     losses.append(metrics.aux["loss"])
-    # Many queued steps can deadlock XLA:CPU's in-process collectives.
-    jax.block_until_ready(metrics.loss)
-    skipped += sum(int(s.pending and not s.valid)
-                   for s in jax.device_get(metrics.updates).values())
+    updates.append(metrics.updates)
+    if sync_each_step:
+      jax.block_until_ready(metrics.loss)
     if t_first is None:
       t_first = time.perf_counter()
     if step % config.log_every == 0 or step == total:
+      # Read at log points only: a read per step would wait for each step.
+      skipped += _skipped(updates)
       rate = ((step - 1) * users_per_step /
               (time.perf_counter() - t_first - evaluator.seconds)
               if step > 1 else float("nan"))
@@ -206,6 +229,7 @@ def train(config: SeqRecConfig, log: Callable[[str], None] = print) -> dict:
                         **{f"valid_{k}": v for k, v in valid.items()}))
       log(f"epoch {epoch:>4d}  train_loss {epoch_loss:.4f}  "
           + "  ".join(f"valid_{k} {v:.4f}" for k, v in valid.items()))
+  skipped += _skipped(updates)
   jax.block_until_ready(state)
   t_end = time.perf_counter()
   train_seconds = t_end - t_start - evaluator.seconds
