@@ -221,6 +221,29 @@ class HstuTest(absltest.TestCase):
         hstu.relative_bias(jnp.asarray(pos_w), jnp.asarray(ts_w),
                            ext[:, -6:]), want[:, -5:, -5:])
 
+  def test_one_hot_lookup_is_the_gather(self):
+    """The TPU path of the bias tables (a one-hot product) gives the
+    gather's values (a -0.0 entry comes back +0.0: 1 x -0.0 plus the
+    other entries' +0.0 products), and its gradient the scatter-add's
+    sums."""
+    rng = np.random.default_rng(2)
+    table = jnp.asarray(rng.normal(size=129).astype(np.float32))
+    table = table.at[3].set(-0.0)
+    idx = jnp.asarray(rng.integers(0, 129, (4, 9, 9)), jnp.int32)
+    idx = idx.at[0, 0, 0].set(3)
+    want = np.asarray(table[idx])
+    got = np.asarray(hstu.small_table_lookup(table, idx, True))
+    np.testing.assert_array_equal(got, want)  # -0.0 == +0.0
+    self.assertEqual(np.signbit(got[0, 0, 0]), False)
+    np.testing.assert_array_equal(
+        np.asarray(hstu.small_table_lookup(table, idx, False)).view(
+            np.uint32), want.view(np.uint32))
+    cot = jnp.asarray(rng.normal(size=idx.shape).astype(np.float32))
+    grads = [jax.grad(lambda t, o=o: jnp.sum(
+        hstu.small_table_lookup(t, idx, o) * cot))(table)
+             for o in (True, False)]
+    np.testing.assert_allclose(grads[0], grads[1], rtol=1e-6, atol=1e-6)
+
   def test_causal_up_to_the_next_timestamp(self):
     apply, items, valid, times = _hstu()
     base = np.asarray(apply(items, valid, times))
