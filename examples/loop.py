@@ -19,6 +19,9 @@ from pallas_emb.flax import FlaxTrainer
 
 
 def fmt_time(seconds: float) -> str:
+  """h:mm:ss; "-:--:--" when not known yet (a rate after one step)."""
+  if not math.isfinite(seconds):
+    return "-:--:--"
   seconds = int(round(max(seconds, 0.0)))
   return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
 

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from examples import cli
+from examples import loop
 from examples import train as train_lib
 from examples.config import ConfigError
 from examples.config import load_config
@@ -302,11 +303,18 @@ class ConfigTest(absltest.TestCase):
     self.assertEqual(hstu_config, dataclasses.replace(load_config(CONFIG),
                                                       encoder="hstu"))
 
+  def test_eta_before_a_rate_is_known(self):
+    """A one-step run logs before any rate exists (it used to crash)."""
+    self.assertEqual(loop.fmt_time(float("nan")), "-:--:--")
+    self.assertEqual(loop.fmt_time(3725.4), "1:02:05")
+
   def test_auto_length_buckets_follow_the_platform(self):
     config = SeqRecConfig(length_buckets="auto", max_len=200)
     with mock.patch.object(seqrec_run, "AUTO_BUCKETS",
                            {jax.devices()[0].platform: "64,128"}):
       self.assertEqual(seqrec_run.buckets(config), (64, 128, 200))
+      self.assertEqual(seqrec_run.buckets(dataclasses.replace(
+          config, max_len=100)), (64, 100))
     with mock.patch.object(seqrec_run, "AUTO_BUCKETS", {}):  # accelerators
       self.assertEqual(seqrec_run.buckets(config), (200,))
     self.assertEqual(seqrec_run.AUTO_BUCKETS, {"cpu": "64,128"})

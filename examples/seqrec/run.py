@@ -70,8 +70,10 @@ AUTO_BUCKETS = {"cpu": "64,128"}
 def buckets(config: SeqRecConfig) -> tuple[int, ...]:
   """The length buckets, max_len last; raises ConfigError."""
   spec = config.length_buckets
-  if spec == "auto":
-    spec = AUTO_BUCKETS.get(jax.devices()[0].platform, "")
+  if spec == "auto":  # the platform's, those shorter than max_len
+    spec = ",".join(
+        x for x in AUTO_BUCKETS.get(jax.devices()[0].platform, "").split(",")
+        if x and int(x) < config.max_len)
   try:
     lengths = [int(x) for x in spec.split(",") if x.strip()]
   except ValueError:
