@@ -63,18 +63,17 @@ def smem_block(rows: int) -> pl.BlockSpec:
                       memory_space=pltpu.SMEM)
 
 
-def copy_rows(ids_ref, src, dst, sem, *, num: int, src_is_table: bool,
-              dst_offset=0):
+def copy_rows(ids_ref, src, dst, sem, *, num: int, src_is_table: bool):
   """Copies rows between a table (HBM) and a tile (VMEM), then waits.
 
-  `ids_ref[0, r]` (SMEM, `smem_block`) is the table row of tile row `r + dst_offset`, for
-  `r < num`; ids < 0 are skipped. `src_is_table`: table -> tile, else tile
-  -> table.
+  `ids_ref[0, r]` (SMEM, `smem_block`) is the table row of tile row `r`,
+  for `r < num`; ids < 0 are skipped. `src_is_table`: table -> tile, else
+  tile -> table.
   """
   def descriptor(r):
     row = ids_ref[0, r]
     table_at = pl.ds(jnp.maximum(row, 0), 1)
-    tile_at = pl.ds(r + dst_offset, 1)
+    tile_at = pl.ds(r, 1)
     if src_is_table:
       return row, pltpu.make_async_copy(src.at[table_at], dst.at[tile_at], sem)
     return row, pltpu.make_async_copy(src.at[tile_at], dst.at[table_at], sem)
