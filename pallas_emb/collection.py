@@ -71,10 +71,8 @@ class EmbeddingCollection:
     replica_axis: mesh axis name(s) over which whole copies of the tables
       are kept, any placement (the batch is sharded over replica_axis +
       data_axis; every update sums all copies' gradients).
-    backend: one of `validation.BACKENDS` (BUILD.md, "Backends"): None
-      (the fastest measured on the platform: triton on GPU, else xla),
-      "pallas" (the platform's Pallas kernels), "triton", "mosaic_tpu",
-      "xla", "interpret" or "mosaic_tpu_interpret".
+    backend: one of `validation.BACKENDS` (BUILD.md, "Backends"); None:
+      the fastest measured on the platform, "pallas": its Pallas kernels.
     kernel_config: tile sizes of the Pallas kernels (`kernels.KernelConfig`;
       None: each kernel's shape heuristic). The Trainer and the layers use
       the collection's.
@@ -82,9 +80,8 @@ class EmbeddingCollection:
       "sort", "slot_map" (xla backend only; no sort, through an int32
       `[rows]` map per stack in the state, 4 bytes a row on every rank; the
       same trained values; docs/cpu_performance.md, "Dedup without a
-      sort") or None (default): the faster one measured on the platform,
-      `validation.default_dedup` (the slot map on CPUs with the xla
-      backend, else the sort). Row and table stacks always sort.
+      sort") or None: the platform's faster one (`validation.default_dedup`:
+      the slot map on CPU with xla). Row and table stacks always sort.
 
   Layout rules 1-3 and 5 (validation.py) are checked here; rule 4 (the batch
   shards evenly) at each call, naming the feature.
@@ -107,8 +104,8 @@ class EmbeddingCollection:
     self.num_replicas = validation.axes_size(mesh, self.replica_axis)
     self.backend = validation.resolve_backend(mesh, backend)
     platform = mesh.devices.flat[0].platform
-    self.dedup = validation.check_dedup(
-        dedup, self.backend, "EmbeddingCollection", platform=platform)
+    self.dedup = validation.check_dedup(dedup, self.backend,
+                                        "EmbeddingCollection", platform)
     if platform == "cpu":
       cpu_malloc.keep_freed_memory()
     if kernel_config is not None and not isinstance(kernel_config,

@@ -28,14 +28,13 @@ KERNEL_BACKENDS = ("triton", "mosaic_tpu", "xla", "interpret",
 BACKENDS = ("auto", "pallas") + KERNEL_BACKENDS
 GPU_PLATFORMS = ("gpu", "cuda", "rocm")
 # The Pallas backend of each accelerator platform (backend="pallas").
-PALLAS_BACKENDS = {"gpu": "triton", "cuda": "triton", "rocm": "triton",
+PALLAS_BACKENDS = {**dict.fromkeys(GPU_PLATFORMS, "triton"),
                    "tpu": "mosaic_tpu"}
 # The fastest backend measured per platform (backend=None / "auto"): on GPUs
 # the Triton kernels (docs/gpu.md); on TPUs XLA's ops until the Mosaic
 # kernels are timed on the chip by bench/tpu_check.sh (docs/tpu.md); on CPUs
 # the xla backend, the only compiled one.
-AUTO_BACKENDS = {"gpu": "triton", "cuda": "triton", "rocm": "triton",
-                 "tpu": "xla"}
+AUTO_BACKENDS = {**dict.fromkeys(GPU_PLATFORMS, "triton"), "tpu": "xla"}
 TABLE_DTYPES = ("float32", "bfloat16")
 
 
