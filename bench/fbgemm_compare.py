@@ -574,6 +574,8 @@ def main(argv):
   pin = [int(c) for c in _PIN.value if c]
   threads = configure(_THREADS.value, pin)
   import jax  # pylint: disable=g-import-not-at-top
+  # Before JAX starts: its malloc settings apply only then (cpu_malloc).
+  import pallas_emb  # pylint: disable=g-import-not-at-top,unused-import
 
   versions, skipped = probe_fbgemm(_FBGEMM_PYTHON.value, _THREADS.value)
   if skipped:

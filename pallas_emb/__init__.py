@@ -1,5 +1,10 @@
 """pallas_emb: sharded embedding tables for JAX recommenders."""
 
+# First: glibc settings that only take effect before XLA:CPU starts threads.
+from pallas_emb import cpu_malloc
+cpu_malloc.at_import()
+
+
 from pallas_emb.collection import EmbeddingCollection
 from pallas_emb.dedup import FILL_VALUE
 from pallas_emb.errors import CheckpointError
