@@ -3,8 +3,10 @@
 `unique_and_segments` turns the int32 keys of every entry of a stack (the
 stacked row an entry trains, or FILL_VALUE for none) into the sorted unique
 rows, padded with FILL_VALUE, and each entry's slot among them. The buffer
-is split into regions, one per table of the stack, so that a table capped by
-its `max_unique` never takes another table's slots.
+is shared by regions, one per table of the stack, so that a table capped by
+its `max_unique` never takes another table's slots: a region's kept rows
+take the slots right after the regions before it, so a batch's rows fill a
+prefix of the buffer (the xla backend's update follows that prefix).
 
 `unique_by_slot_map` has the same contract without a sort: it marks each
 key's first position in a persistent int32 `[rows]` map (a scatter-min),
@@ -57,9 +59,10 @@ def unique_and_segments(keys: jax.Array, num_unique: int, *,
     keys: int32 `[N]` rows; FILL_VALUE marks a key that takes no slot.
     num_unique: the size of the unique buffer.
     regions: static `((first_row, slots), ...)` in row order: the keys in
-      `[first_row, next first_row)` share `slots` consecutive slots of the
-      buffer (the slots of all regions sum to `num_unique`). None: one
-      region of `num_unique` slots.
+      `[first_row, next first_row)` keep at most `slots` distinct rows (the
+      slots of all regions sum to `num_unique`), numbered right after the
+      rows the regions before kept: the kept rows are a sorted prefix of
+      the buffer. None: one region of `num_unique` slots.
     on_cpu: pick the formulation XLA:CPU runs fastest (the same results):
       accelerators sort once with the positions as payload and scatter every
       key's slot back through that permutation; XLA:CPU sorts a lone int32
@@ -68,7 +71,8 @@ def unique_and_segments(keys: jax.Array, num_unique: int, *,
 
   Returns:
     `(unique_tokens [num_unique], segment_ids like keys, num_distinct,
-    num_overflow)`: sorted within each region; a key whose region is full
+    num_overflow)`: the kept rows sorted, then FILL_VALUE; a key whose
+    region is full
     gets segment -1 and is counted in `num_overflow` (int32 scalars, over
     all regions).
   """
@@ -84,8 +88,7 @@ def unique_and_segments(keys: jax.Array, num_unique: int, *,
   rank = jnp.cumsum(is_first, dtype=jnp.int32) - 1  # among all distinct
   slot = jnp.full((n,), -1, jnp.int32)
   num_distinct = jnp.sum(is_first, dtype=jnp.int32)
-  num_overflow = jnp.int32(0)
-  base = 0
+  num_overflow = base = jnp.int32(0)
   for r, (first_row, slots) in enumerate(regions):
     inside = _region_bounds(ordered, real, regions, r)
     distinct = (num_distinct if len(regions) == 1 else
@@ -95,8 +98,9 @@ def unique_and_segments(keys: jax.Array, num_unique: int, *,
       in_region = rank - jnp.sum(is_first & (ordered < first_row),
                                  dtype=jnp.int32)
     slot = jnp.where(inside & (in_region < slots), base + in_region, slot)
-    num_overflow += jnp.maximum(distinct - slots, 0)
-    base += slots
+    kept = jnp.minimum(distinct, slots)
+    num_overflow += distinct - kept
+    base += kept
   unique_tokens = jnp.full((num_unique,), FILL_VALUE, jnp.int32).at[
       jnp.where(is_first & (slot >= 0), slot, num_unique)].set(
           ordered, mode="drop")
@@ -135,7 +139,8 @@ def unique_by_slot_map(keys: jax.Array, num_unique: int, slot_map: jax.Array,
 
   Differences from `unique_and_segments` (the same slots up to their
   order): the unique rows of a region are in FIRST-OCCURRENCE order, not
-  sorted (unless `sort_unique`); a full region keeps its first distinct
+  sorted (unless `sort_unique`), after the kept rows of the regions before
+  it (a prefix of the buffer, as there); a full region keeps its first distinct
   keys, not its smallest (the same counts: `num_overflow` does not change);
   a key outside `[0, rows)` takes no slot, like FILL_VALUE (the sort gives
   one to any key but FILL_VALUE). Which consumer needs sorted rows:
@@ -146,8 +151,8 @@ def unique_by_slot_map(keys: jax.Array, num_unique: int, slot_map: jax.Array,
       takes no slot.
     num_unique, regions: as `unique_and_segments`.
     slot_map: int32 `[rows]`, every entry MAP_SENTINEL (`empty_slot_map`).
-    sort_unique: then sort each region's unique rows (a sort of the
-      `num_unique` slots, not of the N keys) and renumber the segments:
+    sort_unique: then sort the unique rows (a sort of the `num_unique`
+      slots, not of the N keys) and renumber the segments:
       the results equal `unique_and_segments`' wherever no region is full.
 
   Returns:
@@ -168,20 +173,19 @@ def unique_by_slot_map(keys: jax.Array, num_unique: int, slot_map: jax.Array,
   first = slot_map.at[index].get(mode="fill", fill_value=n)
   is_first = real & (first == position)
   slot = jnp.full((n,), -1, jnp.int32)  # at first positions only
-  num_overflow = jnp.int32(0)
-  base = 0
+  num_overflow = base = jnp.int32(0)
   for r, (_, slots) in enumerate(regions):
     firsts = is_first & _region_bounds(keys, real, regions, r)
     in_region = jnp.cumsum(firsts, dtype=jnp.int32) - 1
     slot = jnp.where(firsts & (in_region < slots), base + in_region, slot)
-    num_overflow += jnp.sum(firsts & (in_region >= slots), dtype=jnp.int32)
-    base += slots
+    kept = jnp.minimum(jnp.sum(firsts, dtype=jnp.int32), slots)
+    num_overflow += jnp.sum(firsts, dtype=jnp.int32) - kept
+    base += kept
   unique_tokens = jnp.full((num_unique,), FILL_VALUE, jnp.int32).at[
       jnp.where(slot >= 0, slot, num_unique)].set(keys, mode="drop")
   segment_ids = jnp.where(real, jnp.take(slot, first, mode="clip"), -1)
   if sort_unique:
-    unique_tokens, segment_ids = _sort_slots(unique_tokens, segment_ids,
-                                             regions)
+    unique_tokens, segment_ids = _sort_slots(unique_tokens, segment_ids)
   # The reset writes what it read (made MAP_SENTINEL): depending on the
   # gather orders the gather first, so XLA updates the map in place.
   slot_map = slot_map.at[index].set(
@@ -190,19 +194,13 @@ def unique_by_slot_map(keys: jax.Array, num_unique: int, slot_map: jax.Array,
           num_overflow, slot_map)
 
 
-def _sort_slots(unique_tokens: jax.Array, segment_ids: jax.Array, regions):
-  """Each region's unique rows sorted (FILL_VALUE last in its region), the
-  segments renumbered to follow their rows. Sorted alone and found by
-  binary search: XLA:CPU sorts a lone int32 array several times faster
-  than one with a payload."""
-  parts, renumber, base = [], [], 0
-  for _, slots in regions:
-    part = unique_tokens[base:base + slots]
-    ordered = jnp.sort(part)
-    parts.append(ordered)
-    # A real row is distinct in its region; FILL slots take no segment.
-    renumber.append(base + jnp.searchsorted(ordered, part).astype(jnp.int32))
-    base += slots
-  renumber = jnp.concatenate(renumber)
-  return jnp.concatenate(parts), jnp.where(
+def _sort_slots(unique_tokens: jax.Array, segment_ids: jax.Array):
+  """The unique rows sorted (FILL_VALUE last), the segments renumbered to
+  follow their rows. Regions keep row order, so one sort sorts each.
+  Sorted alone and found by binary search: XLA:CPU sorts a lone int32
+  array several times faster than one with a payload."""
+  ordered = jnp.sort(unique_tokens)
+  # A real row is distinct in the buffer; FILL slots take no segment.
+  renumber = jnp.searchsorted(ordered, unique_tokens).astype(jnp.int32)
+  return ordered, jnp.where(
       segment_ids >= 0, jnp.take(renumber, segment_ids, mode="clip"), -1)

@@ -289,7 +289,7 @@ def routed_entry_grads(layout: StackLayout, grads: Sequence[jax.Array],
 
 def grad_sums_by_position(layout: StackLayout, grads: Sequence[jax.Array],
                           weights_all: jax.Array, segments: jax.Array,
-                          num_unique: int, round_dtype
+                          num_unique: int, round_dtype, zero=None
                           ) -> tuple[jax.Array, jax.Array]:
   """The xla backend's segment sums of a stack with pooled features.
 
@@ -299,13 +299,14 @@ def grad_sums_by_position(layout: StackLayout, grads: Sequence[jax.Array],
   straight into the sums, so a bag of L ids costs L scatters of one row per
   bag instead of a buffer L times the bags' size. The adds meet each slot
   in another order than the entry order (f32 rounding of the sums).
+  `zero`: as `kernels.xla.zero_sums`.
   """
   w = layout.ctx.group_size
   routed = _routed_rows(layout, grads)
   width = routed.shape[-1]
   segments = segments.reshape(w, layout.entries)
   slots = lambda s: kernels.xla.kept_segments(s, num_unique)
-  accum = jnp.zeros((num_unique, width), jnp.float32)
+  accum = kernels.xla.zero_sums(num_unique, width, zero)
   if layout.sequence:
     accum = kernels.xla.scatter_add_rows(
         accum, slots(segments[:, :layout.sequence_entries]).reshape(-1),
@@ -370,33 +371,91 @@ def on_cpu(ctx) -> bool:
   return ctx.mesh.devices.flat[0].platform == "cpu"
 
 
+# The xla backend's update runs at the smallest of these sizes of the
+# unique buffer that holds the batch's rows: the buffer is sized for every
+# id distinct, a batch fills a prefix of it (`dedup`), and the update's
+# `[U, S]` sums, zero-filled every step, cost by U. Halvings of the buffer
+# down to MIN_TIER_SLOTS, at most MAX_TIERS sizes, picked by a `lax.switch`
+# in the step (every size is compiled). Tests lower MIN_TIER_SLOTS.
+MIN_TIER_SLOTS = 4096
+MAX_TIERS = 5
+
+
+def slot_tiers(num_slots: int) -> tuple[int, ...]:
+  """The sizes the update may run at, largest (the buffer) first."""
+  tiers = [num_slots]
+  while len(tiers) < MAX_TIERS and (tiers[-1] + 1) // 2 >= MIN_TIER_SLOTS:
+    tiers.append((tiers[-1] + 1) // 2)
+  return tuple(tiers)
+
+
 def update(layout: StackLayout, backend: str, table, opt_state,
            routing: StackRouting, grads, pending, kernel_config=None):
   """The stack's fused sparse update from its features' gradients.
 
   The unique buffer's size is the routing's (`unique_tokens`), which may
-  differ from the layout's (the single-table API's `num_unique`).
+  differ from the layout's (the single-table API's `num_unique`). On the
+  xla backend the update runs on the buffer's prefix up to its last row,
+  rounded up to a `slot_tiers` size: the same results, every slot past it
+  being FILL_VALUE (unique rows are the same on every rank, so every rank
+  picks the same size).
   """
   if layout.optimizer is None:
     raise InputError(
         f"pallas_emb {layout.name} has no optimizer (its TableSpecs say "
         "optimizer=None: looked up only); give its tables a sparse "
         "optimizer to train them.")
+  unique = routing.unique_tokens
+  tiers = slot_tiers(unique.shape[0]) if backend == "xla" else ()
+
+  def update_prefix(slots, table, opt_state, zero=None):
+    prefix = routing._replace(unique_tokens=unique[:slots])
+    return _update(layout, backend, table, opt_state, prefix, grads,
+                   pending, kernel_config, zero)
+
+  if len(tiers) < 2:
+    return update_prefix(unique.shape[0], table, opt_state)
+  extent = jnp.max(jnp.where(unique != FILL_VALUE,
+                             jnp.arange(1, unique.shape[0] + 1), 0))
+  pick = sum((extent <= t).astype(jnp.int32) for t in tiers[1:])
+  # One loop per size, run once (the picked one) or not at all: XLA:CPU
+  # updates a while loop's table in place, where a `lax.switch` copies it.
+  # The sums start from a zero made of the loop's counter, so XLA does not
+  # hoist their zero-fill out of the loop (`kernels.xla.zero_sums`).
+  stats = update_lib.UpdateStats(jnp.float32(0), *[jnp.int32(0)] * 3)
+  for i, slots in enumerate(tiers):
+    table, opt_state, stats = lax.fori_loop(
+        0, (pick == i).astype(jnp.int32),
+        lambda j, carry, slots=slots: update_prefix(
+            slots, *carry[:2], zero=j.astype(jnp.float32) * 0),
+        (table, opt_state, stats))
+  return table, opt_state, stats
+
+
+def _update(layout: StackLayout, backend: str, table, opt_state,
+            routing: StackRouting, grads, pending, kernel_config, zero=None):
   weights_all = routing.weights.reshape(layout.ctx.group_size, -1)
   norms = (update_lib.NONE if layout.placement == REPLICATED
            else update_lib.COLUMNS)
-  if layout.pooled and backend == "xla":
+  num_unique = routing.unique_tokens.shape[0]
+  round_dtype = common.logical_dtype(table.dtype)
+  if backend != "xla":
+    return update_lib.update_from_routed(
+        layout.ctx, layout.optimizer, backend, table, opt_state,
+        routed_entry_grads(layout, grads, weights_all), routing.segments,
+        routing.unique_tokens, pending, routing.num_overflow, kernel_config,
+        norms)
+  if layout.pooled:
     grad_accum, row_sq = grad_sums_by_position(
-        layout, grads, weights_all, routing.segments,
-        routing.unique_tokens.shape[0], common.logical_dtype(table.dtype))
-    return update_lib.update_from_sums(
-        layout.ctx, layout.optimizer, backend, table, opt_state, grad_accum,
-        row_sq, routing.unique_tokens, pending, routing.num_overflow,
-        kernel_config, norms)
-  routed = routed_entry_grads(layout, grads, weights_all)
-  return update_lib.update_from_routed(
-      layout.ctx, layout.optimizer, backend, table, opt_state, routed,
-      routing.segments, routing.unique_tokens, pending, routing.num_overflow,
+        layout, grads, weights_all, routing.segments, num_unique,
+        round_dtype, zero)
+  else:
+    grad_accum, row_sq = kernels.xla.segment_sum_rows(
+        routed_entry_grads(layout, grads, weights_all), routing.segments,
+        num_unique, round_dtype=round_dtype, zero=zero)
+  return update_lib.update_from_sums(
+      layout.ctx, layout.optimizer, backend, table, opt_state, grad_accum,
+      row_sq, routing.unique_tokens, pending, routing.num_overflow,
       kernel_config, norms)
 
 

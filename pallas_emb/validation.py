@@ -68,15 +68,17 @@ class EmbeddingContext:
     return self.replica_axis + self.data_axis
 
 
-def _as_axes(axes: str | Sequence[str], what: str) -> AxisNames:
+def _as_axes(axes: str | Sequence[str] | None, what: str) -> AxisNames:
+  if axes is None:  # as () : no axis
+    return ()
   if isinstance(axes, str):
     return (axes,)
-  axes = tuple(axes)
-  if not all(isinstance(a, str) for a in axes):
+  names = tuple(axes) if isinstance(axes, (tuple, list)) else (axes,)
+  if not all(isinstance(a, str) for a in names):
     raise InputError(
         f"pallas_emb {what} must be a mesh axis name or a tuple of names; "
         f"got {axes!r}.")
-  return axes
+  return names
 
 
 def check_positive(name: str, value) -> None:

@@ -276,10 +276,17 @@ class HloTest(parameterized.TestCase):
     for what, text in texts.items():
       self.check(text, dtype, "xla", f"{what} step in chunks, ranks={ranks} "
                  f"{dtype}")
-    if dtype == "float32":  # The loops are there (row norms and update).
+    if dtype == "float32":
+      # The loops are there: one per size the update may run at (halvings
+      # of the 64-slot buffer down to 4 slots), and in each over 4 slots
+      # the row norms' and the update's.
       whole = trainer_step_text(coll, table, batch, True)[1]
+      (stack_layout,) = coll.layouts({"ids": batch["ids"]})
+      self.assertEqual(stack_layout.ctx.num_unique, TOKENS)
+      tiers = (64, 32, 16, 8, 4)
       self.assertEqual(texts["Trainer"].count(" while("),
-                       whole.count(" while(") + 2)
+                       whole.count(" while(") + len(tiers)
+                       + 2 * sum(t > 4 for t in tiers))
 
 
 def linear_loss_step_text(ranks, dtype, features, backend) -> str:

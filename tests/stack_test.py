@@ -10,6 +10,7 @@ reads it.
 
 import contextlib
 import re
+from unittest import mock
 
 import test_util
 
@@ -275,6 +276,67 @@ class GradSumsByPositionTest(absltest.TestCase):
     self.assertGreater(np.abs(want_sums).sum(), 0)
     np.testing.assert_allclose(got_sums, want_sums, rtol=1e-6, atol=1e-6)
     np.testing.assert_allclose(got_sq, want_sq, rtol=1e-5, atol=1e-6)
+
+
+class UpdateSizesTest(parameterized.TestCase):
+  """The xla backend's update runs at the smallest `slot_tiers` size that
+  holds the batch's rows: the tables, states and stats of whole-buffer
+  updates, bit for bit, on 1 and 2 ranks (a replica axis too), with few
+  rows (the smallest size), all rows distinct (the buffer) and between,
+  sequence and pooled features of two tables in one stack."""
+
+  def test_slot_tiers(self):
+    self.assertEqual(stack_lib.slot_tiers(16384), (16384, 8192, 4096))
+    self.assertEqual(stack_lib.slot_tiers(327680),
+                     (327680, 163840, 81920, 40960, 20480))
+    self.assertEqual(stack_lib.slot_tiers(8190), (8190,))
+    self.assertEqual(stack_lib.slot_tiers(8191), (8191, 4096))
+    self.assertEqual(stack_lib.slot_tiers(8192), (8192, 4096))
+    self.assertEqual(stack_lib.slot_tiers(9999), (9999, 5000))
+
+  @parameterized.product(mesh_shape=[{"x": 1}, {"r": 2, "x": 2}],
+                         distinct=["one", "few", "all"])
+  def test_equals_the_whole_buffer(self, mesh_shape, distinct):
+    mesh = test_util.mesh(mesh_shape)
+    opt = pe.RowwiseAdagrad(**OPT_KW)
+    tables = [pe.TableSpec("a", 200, 8, optimizer=opt),
+              pe.TableSpec("b", 150, 8, optimizer=opt)]
+    features = [pe.FeatureSpec("seq", "a"),
+                pe.FeatureSpec("bag", "b", combiner="mean")]
+    replicas = "r" if "r" in mesh_shape else None
+    coll = pe.EmbeddingCollection(tables, features, mesh, "x",
+                                  replica_axis=replicas, backend="xla")
+    rng = np.random.default_rng(len(distinct))
+    seq, bag = np.arange(32), np.arange(40)
+    if distinct == "one":
+      seq, bag = seq * 0 + 7, bag * 0 + 3
+    elif distinct == "few":
+      seq, bag = seq % 9, bag % 5 + 100
+    batch = {"seq": rng.permutation(seq).reshape(8, 4).astype(np.int32),
+             "bag": rng.permutation(bag).reshape(8, 5).astype(np.int32)}
+    grads = {"seq": rng.standard_normal((8, 4, 8)).astype(np.float32),
+             "bag": rng.standard_normal((8, 8)).astype(np.float32)}
+    (layout,) = coll.layouts(batch)
+    tiers = (72, 36, 18, 9)
+    self.assertEqual(layout.ctx.num_unique, tiers[0])
+
+    def train(min_tier_slots):
+      with mock.patch.object(stack_lib, "MIN_TIER_SLOTS", min_tier_slots):
+        self.assertEqual(stack_lib.slot_tiers(72),
+                         tiers if min_tier_slots == 9 else (72,))
+        jax.clear_caches()
+        state = test_util.random_state(coll, 0)
+        routing = coll.route(batch)
+        state, stats = jax.jit(coll.apply_gradients)(state, routing, grads)
+        jax.clear_caches()
+        return coll.table_arrays(state), state, stats
+
+    got, want = train(9), train(10**6)
+    for name in got[0]:
+      test_util.assert_bits_equal(self, got[0][name],
+                                  test_util.as_numpy(want[0][name]), name)
+    for g, w in zip(jax.tree.leaves(got[1:]), jax.tree.leaves(want[1:])):
+      test_util.assert_bits_equal(self, g, test_util.as_numpy(w))
 
 
 class PooledDenseTest(absltest.TestCase):

@@ -76,13 +76,17 @@ def update_in_chunks(size: int, rows: int | None = None):
   """The xla backend's loops run in chunks of `size` in what is traced
   inside: over a unique buffer's used slots (`kernels.xla.CHUNK_SLOTS`,
   32768) and over the rows a scatter-add makes f32 (`CHUNK_ROWS`, 8192;
-  `rows` if given), both more than a test's. Jitted functions trace once
-  per signature, so JAX's in-memory caches are cleared on entry and exit."""
+  `rows` if given), both more than a test's; and a stack's update runs at
+  the smallest size that holds the batch's rows down to `size`
+  (`stack.MIN_TIER_SLOTS`, 4096). Jitted functions trace once per
+  signature, so JAX's in-memory caches are cleared on entry and exit."""
+  from pallas_emb import stack  # pylint: disable=g-import-not-at-top
   from pallas_emb.kernels import xla  # pylint: disable=g-import-not-at-top
   jax.clear_caches()
   try:
     with mock.patch.object(xla, "CHUNK_SLOTS", size), \
-         mock.patch.object(xla, "CHUNK_ROWS", rows or size):
+         mock.patch.object(xla, "CHUNK_ROWS", rows or size), \
+         mock.patch.object(stack, "MIN_TIER_SLOTS", size):
       yield
   finally:
     jax.clear_caches()

@@ -40,18 +40,29 @@ def gather_rows(table, ids):
 
 
 def segment_sum_rows(grads: jax.Array, segment_ids: jax.Array,
-                     num_segments: int, *, round_dtype
+                     num_segments: int, *, round_dtype, zero=None
                      ) -> tuple[jax.Array, jax.Array]:
   """`reference.segment_sum_rows`, the row norms by halving adds.
 
   XLA:CPU hands a row reduce to a library call that cannot fuse the
   squares, which then take a `[U, S]` buffer (`common.row_square_sums`).
+  `zero`: the f32 scalar 0 the sums start from (`zero_sums`).
   """
   segments = kept_segments(segment_ids, num_segments)
-  accum = scatter_add_rows(
-      jnp.zeros((num_segments, grads.shape[-1]), jnp.float32), segments,
-      grads)
+  accum = scatter_add_rows(zero_sums(num_segments, grads.shape[-1], zero),
+                           segments, grads)
   return accum, row_square_sums(accum, round_dtype, segments)
+
+
+def zero_sums(num_segments: int, width: int, zero=None) -> jax.Array:
+  """f32 `[U, S]` zeros for segment sums, broadcast from `zero` (an f32
+  0 computed in the step) if given: inside a loop that may run no
+  iteration, a broadcast of a constant would be hoisted out of it by XLA
+  (and filled every step), one of a loop value stays in."""
+  if zero is None:
+    return jnp.zeros((num_segments, width), jnp.float32)
+  return jnp.broadcast_to(jnp.asarray(zero, jnp.float32),
+                          (num_segments, width))
 
 
 # Slots per iteration of the loops over a unique buffer's used slots
