@@ -390,7 +390,7 @@ def hlo_ops(text: str) -> dict[str, str]:
 
 def summarize_trace(events, steps: int, step_s: float,
                     ops_info: dict[str, str] | None = None,
-                    top: int = 15) -> dict:
+                    top: int = 40) -> dict:
   """Exclusive ms per step of each HLO op in a trace's complete events."""
   ops_info = ops_info or {}
   per_thread: dict = {}

@@ -318,11 +318,14 @@ def grad_sums_by_position(layout: StackLayout, grads: Sequence[jax.Array],
     seg = segments[:, entry:entry + n * length].reshape(w, n, length)
     entry += n * length
 
-    def add(k, acc, f=f, bags=bags, seg=seg, weights=weights):
+    # Made once: a reshape inside the loop is a copy per position.
+    rows = bags.reshape(-1, width)
+
+    def add(k, acc, f=f, rows=rows, seg=seg, weights=weights):
       at_k = lambda a: lax.dynamic_index_in_dim(a, k, 2, keepdims=False)
       keys = slots(at_k(seg))
       return kernels.xla.scatter_add_rows(
-          acc, keys.reshape(-1), bags.reshape(-1, width),
+          acc, keys.reshape(-1), rows,
           None if f.unit_weights else at_k(weights).reshape(-1))
 
     accum = lax.fori_loop(0, length, add, accum, unroll=min(length, 4))
