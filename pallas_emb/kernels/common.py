@@ -271,6 +271,32 @@ def f32_from_bf16_bits(bits: jax.Array) -> jax.Array:
       bits.astype(jnp.uint32) << 16, jnp.float32)
 
 
+def take_rows(table: jax.Array, rows: jax.Array) -> jax.Array:
+  """`table[rows]` for in-range `[N]` rows; on CPU, a uint16 table (bf16
+  bits) of even width through its uint32 view, two columns a word.
+
+  XLA:CPU gathers a uint16 row a column at a time, and fused into the
+  update's math that gather made a bf16 step 2.6x an f32 one; a row of
+  words moves half the elements, and the barrier keeps it a gather of its
+  own (contiguous rows for the math). The bf16 step at 1M x 64, bags of
+  20, 62.0 -> 49.6 ms; at 10M rows, 65,536 ids, 27.7 -> 19.1 ms
+  (docs/cpu_performance.md, "bf16 rows as words"). Only the update reads
+  a table this way: XLA:CPU makes the view with a pass over the table,
+  which it fuses into one gather but runs over every row for two (the
+  lookup's too; tests/hlo_test.py).
+  """
+  num_rows, width = table.shape
+  # Accelerators tile a [V, S/2, 2] view (not measured there).
+  if (table.dtype != BF16_BITS or width % 2
+      or jax.default_backend() != "cpu"):
+    return table[rows]
+  words = jax.lax.bitcast_convert_type(
+      table.reshape(num_rows, width // 2, 2), jnp.uint32)
+  taken = jax.lax.optimization_barrier(words[rows])
+  return jax.lax.bitcast_convert_type(taken, BF16_BITS).reshape(
+      rows.shape[0], width)
+
+
 def narrow(x: jax.Array, dtype) -> jax.Array:
   """f32 `x` as `dtype`; to bf16 rounded to nearest even on the bits.
 

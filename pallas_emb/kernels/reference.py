@@ -111,7 +111,7 @@ def touched_rows(rule, table, row_state, element_state, unique_tokens,
   old = dict(part.old)
   old.update({name: a[part.rows] for name, a in zip(rule.element_slots,
                                                     element_state)})
-  old["table"] = common.logical_rows(table[part.rows])
+  old["table"] = common.logical_rows(common.take_rows(table, part.rows))
   new = dict(part.new)
   new["table"], new_element = rule.column_update(
       tuple(c[:, None] for c in part.coeffs),
