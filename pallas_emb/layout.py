@@ -75,8 +75,9 @@ class StackLayout:
   optimizer: object
   ctx: EmbeddingContext
   features: tuple[FeatureLayout, ...]
-  # Per table of the stack, in row order: (its first stacked row, its slots
-  # in the unique buffer). Slots are given to tables in this order.
+  # Per table of the stack, in row order: (its first stacked row, the most
+  # slots of the unique buffer it may take). A batch's kept rows are
+  # numbered in this order, each table's after the ones before (`dedup`).
   regions: tuple[tuple[int, int], ...] = ()
   # The stack's placement; row and table placements send each owner at
   # most `capacity` distinct rows per rank (the per-pair bucket), and a
@@ -156,10 +157,10 @@ def stack_layouts(coll, shapes, implicit_weights=()
     # Sequence features first: their ids are gathered, pooled ones pooled.
     feats = ([f for f in feats if not f.pooled] +
              [f for f in feats if f.pooled])
-    # Each table owns a region of the stack's unique buffer: its distinct
-    # rows in one batch are at most its ids and its rows (padding takes no
-    # slot), so the region never overflows unless max_unique caps it, and a
-    # table over its cap never takes another table's slots.
+    # Each table may take so many slots of the stack's unique buffer: its
+    # distinct rows in one batch are at most its ids and its rows (padding
+    # takes no slot), so it never overflows unless max_unique caps it, and
+    # a table over its cap never takes another table's slots.
     regions = tuple(
         (stack.row_offsets[i], _region_slots(coll.tables[t],
                                              ids_per_table.get(t, 0)))
