@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 import os
 import time
 from unittest import mock
@@ -46,6 +47,11 @@ _VARIANTS = flags.DEFINE_list(
     "Variants to compare, the first the baseline.")
 _ROUNDS = flags.DEFINE_integer("rounds", 5, "Interleaved rounds.")
 _STEPS = flags.DEFINE_integer("steps", 6, "Timed steps per variant a round.")
+_MIN_TIER_SLOTS = flags.DEFINE_integer(
+    "min_tier_slots", None, "The library's stack.MIN_TIER_SLOTS (the "
+    "smallest size the update runs at) for every variant; default: its own.")
+_JSON_OUT = flags.DEFINE_string("json_out", None, "Also write the results "
+                                "here as JSON.")
 
 
 def variant(name: str):
@@ -98,6 +104,9 @@ def main(argv):
     state, _ = coll.apply_gradients(state, routing, grads)
     return state, loss
 
+  from pallas_emb import stack
+  if _MIN_TIER_SLOTS.value:
+    stack.MIN_TIER_SLOTS = _MIN_TIER_SLOTS.value
   compiled = {}
   for v in _VARIANTS.value:
     jax.clear_caches()
@@ -119,13 +128,19 @@ def main(argv):
   print(f"# {name}: {rows} rows x {width} {_DTYPE.value}, {batch} x {bag} "
         f"{_FEATURE.value} ids, {_ROUNDS.value} rounds of {_STEPS.value} "
         "steps")
-  base = None
+  base, results = None, []
   for v, (_, state) in compiled.items():
     ms = 1e3 * float(np.median(times[v]))
     base = base or ms
     table = np.asarray(coll.table_arrays(state)["t"].astype(jnp.float32))
     digest = hashlib.sha256(table.tobytes()).hexdigest()[:12]
     print(f"{v:>14s}  {ms:8.2f} ms  {ms / base:6.3f}x  table {digest}")
+    results.append({"variant": v, "median_ms": ms, "ratio": ms / base,
+                    "table_digest": digest})
+  if _JSON_OUT.value:
+    with open(_JSON_OUT.value, "w") as f:
+      json.dump({"workload": _WORKLOAD.value, "feature": _FEATURE.value,
+                 "dtype": _DTYPE.value, "results": results}, f, indent=1)
 
 
 if __name__ == "__main__":

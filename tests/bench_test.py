@@ -1,4 +1,5 @@
-"""Smoke tests of `python -m bench.bench` and `python -m bench.kernels`.
+"""Smoke tests of `python -m bench.bench`, `bench.kernels` and the other
+bench programs.
 
 At tiny sizes, each run is a fresh process (the bench sets the simulated
 device count before JAX starts, which an in-process run could not do), with
@@ -216,6 +217,22 @@ class DedupBenchCliTest(absltest.TestCase):
                             ["sorted", "first_occurrence"])
       self.assertEqual(r["slot_map_bytes"], 4000)
       self.assertBetween(r["distinct"], 1, r["tokens"])
+
+
+class CpuKnobsCliTest(absltest.TestCase):
+
+  def test_every_variant_trains_the_same_table(self):
+    # Updates at sizes down to 64 slots of a 1,024-slot buffer.
+    with tempfile.TemporaryDirectory() as tmp:
+      doc, stdout = test_util.run_program(
+          "bench.cpu_knobs", ["--workload=t:3000:256:4", "--dtype=bfloat16",
+                              "--rounds=1", "--steps=1",
+                              "--min_tier_slots=64"], tmp)
+    self.assertIn("whole_buffer", stdout)
+    self.assertEqual([r["variant"] for r in doc["results"]],
+                     ["default", "whole_buffer", "uint16_gather"])
+    self.assertLen({r["table_digest"] for r in doc["results"]}, 1)
+    self.assertTrue(all(r["median_ms"] > 0 for r in doc["results"]))
 
 
 if __name__ == "__main__":
