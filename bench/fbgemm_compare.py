@@ -6,8 +6,8 @@
 
 A workload is `name:rows:batch:bag` (`--workloads`): one table `[rows,
 --emb_width]` f32, `batch` examples of `bag` Zipf(`--zipf`) ids each
-(`pallas_emb.datasets.zipf_ids`, ids in [1, rows - 1]; the same ids every
-step), a fixed random cotangent `[batch, width]` and the loss
+(`pallas_emb.datasets.zipf_ids`, ids in [1, rows - 1], the hot ones spread
+or the lowest, `--hot_ids`; the same ids every step), a fixed random cotangent `[batch, width]` and the loss
 `sum(emb * cotangent)`, so both sides get identical gradients. Every step is
 forward + backward + exact row-wise Adagrad (`--lr`, `--eps`, accumulators
 start at 0). The defaults are (a) bags of 1, 1M rows, 16,384 ids; (b) bags
@@ -91,7 +91,12 @@ _WORKLOADS = flags.DEFINE_list(
                   "c:10000000:65536:1"],
     "Workloads name:rows:batch:bag (bag = ids per example).")
 _WIDTH = flags.DEFINE_integer("emb_width", 64, "Table width.")
-_ZIPF = flags.DEFINE_float("zipf", 1.05, "Zipf exponent of the ids.")
+_ZIPF = flags.DEFINE_float("zipf", 1.05, "Zipf exponent of the ids (0: "
+                           "uniform).")
+_HOT_IDS = flags.DEFINE_enum(
+    "hot_ids", "permuted", ["permuted", "low"],
+    "Which ids are hot: spread by a random permutation (hashed ids), or the "
+    "lowest ids the hottest (an unhashed vocabulary sorted by frequency).")
 _STEPS = flags.DEFINE_integer("steps", 20, "Timed steps per case.")
 _WARMUP = flags.DEFINE_integer("warmup", 3, "Untimed steps first.")
 _LR = flags.DEFINE_float("lr", 0.01, "Row-wise Adagrad learning rate.")
@@ -194,7 +199,8 @@ def configure(threads: int, pin: list[int]) -> dict:
 
 
 def write_workload(work: dict, directory: str, width: int, zipf: float,
-                   seed: int, lr: float, eps: float) -> dict:
+                   seed: int, lr: float, eps: float,
+                   hot_ids: str = "permuted") -> dict:
   """The workload's files; returns its small arrays."""
   # pylint: disable=g-import-not-at-top
   import numpy as np
@@ -215,7 +221,8 @@ def write_workload(work: dict, directory: str, width: int, zipf: float,
   # Write the file back now: its dirty pages would otherwise be flushed
   # while the first case is timed.
   os.sync()
-  ids = zipf_ids(rng, rows - 1, batch * bag, zipf)
+  ids = zipf_ids(rng, rows - 1, batch * bag, zipf,
+                 permute=hot_ids == "permuted")
   ids = ids.reshape(batch) if bag == 1 else ids.reshape(batch, bag)
   cotangent = rng.standard_normal((batch, width), np.float32)
   unique_ids = np.unique(ids).astype(np.int32)
@@ -588,7 +595,7 @@ def main(argv):
       "fbgemm_skipped": skipped or None, "argv": sys.argv,
       "time": time.strftime("%Y-%m-%d %H:%M:%S"), "loadavg": _loadavg(),
       "warmup": _WARMUP.value, "steps": _STEPS.value, "lr": _LR.value,
-      "eps": _EPS.value, "zipf": _ZIPF.value, "emb_width": _WIDTH.value},
+      "eps": _EPS.value, "zipf": _ZIPF.value, "hot_ids": _HOT_IDS.value, "emb_width": _WIDTH.value},
       "results": [], "comparisons": []}
   print(f"# jax {jax.__version__} ({doc['meta']['platform']}), XLA_FLAGS="
         f"{threads['xla_flags']!r}, affinity {threads['affinity']}"
@@ -607,7 +614,8 @@ def main(argv):
       directory = os.path.join(root, work["name"])
       t0 = time.perf_counter()
       arrays = write_workload(work, directory, _WIDTH.value, _ZIPF.value,
-                              _SEED.value, _LR.value, _EPS.value)
+                              _SEED.value, _LR.value, _EPS.value,
+                              _HOT_IDS.value)
       work = dict(work, unique_ids=int(arrays["unique_ids"].size),
                   ids=int(arrays["ids"].size))
       print(f"workload {work['name']}: {work['rows']} rows x "
