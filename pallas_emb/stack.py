@@ -374,12 +374,12 @@ def on_cpu(ctx) -> bool:
   return ctx.mesh.devices.flat[0].platform == "cpu"
 
 
-# The xla backend's update runs at the smallest of these sizes of the
-# unique buffer that holds the batch's rows: the buffer is sized for every
-# id distinct, a batch fills a prefix of it (`dedup`), and the update's
-# `[U, S]` sums, zero-filled every step, cost by U. Halvings of the buffer
-# down to MIN_TIER_SLOTS, at most MAX_TIERS sizes, picked by a `lax.switch`
-# in the step (every size is compiled). Tests lower MIN_TIER_SLOTS.
+# The xla backend's update on CPU runs at the smallest of these sizes of
+# the unique buffer that holds the batch's rows: the buffer is sized for
+# every id distinct, a batch fills a prefix of it (`dedup`), and the
+# update's `[U, S]` sums, zero-filled every step, cost by U. Halvings of
+# the buffer down to MIN_TIER_SLOTS, at most MAX_TIERS sizes, picked in the
+# step (every size is compiled; see `update`). Tests lower MIN_TIER_SLOTS.
 MIN_TIER_SLOTS = 4096
 MAX_TIERS = 5
 
@@ -398,10 +398,10 @@ def update(layout: StackLayout, backend: str, table, opt_state,
 
   The unique buffer's size is the routing's (`unique_tokens`), which may
   differ from the layout's (the single-table API's `num_unique`). On the
-  xla backend the update runs on the buffer's prefix up to its last row,
-  rounded up to a `slot_tiers` size: the same results, every slot past it
-  being FILL_VALUE (unique rows are the same on every rank, so every rank
-  picks the same size).
+  xla backend on CPU the update runs on the buffer's prefix up to its last
+  row, rounded up to a `slot_tiers` size: the same results, every slot
+  past it being FILL_VALUE (unique rows are the same on every rank, so
+  every rank picks the same size).
   """
   if layout.optimizer is None:
     raise InputError(
@@ -409,7 +409,9 @@ def update(layout: StackLayout, backend: str, table, opt_state,
         "optimizer=None: looked up only); give its tables a sparse "
         "optimizer to train them.")
   unique = routing.unique_tokens
-  tiers = slot_tiers(unique.shape[0]) if backend == "xla" else ()
+  # Measured on XLA:CPU only; accelerators run the whole buffer.
+  tiers = (slot_tiers(unique.shape[0])
+           if backend == "xla" and on_cpu(layout.ctx) else ())
 
   def update_prefix(slots, table, opt_state, zero=None):
     prefix = routing._replace(unique_tokens=unique[:slots])
