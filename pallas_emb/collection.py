@@ -554,11 +554,10 @@ class EmbeddingCollection:
     the smaller one).
 
     A stack's unique buffer holds its tables' caps summed; without caps it
-    is sized for the worst case (every id distinct). The step's temporaries
-    follow the buffer (the xla backend's update on CPU runs at the batch's
-    size either way). Same plan, so the state carries over. A later batch
-    with more distinct rows than a cap loses those rows' gradients and
-    says so: check the stats with `raise_if_overflow`.
+    is sized for the worst case (every id distinct): the step's temporaries
+    follow it. Same plan, so the state carries over. A later batch with
+    more distinct rows than a cap loses those rows' gradients and says so:
+    check the stats with `raise_if_overflow`.
     """
     return fitting.fit_caps(self, "max_unique", self.distinct_rows, batches,
                             headroom, ("column", "replicated"))

@@ -41,19 +41,19 @@ _M_ARENA_MAX = -8
 _INT_MAX = 2**31 - 1
 
 _kept: bool | None = None
-_one_arena: bool = False
+# Whether every thread allocates from the main heap (set by the
+# environment, or by `at_import`).
+_one_arena: bool = os.environ.get("MALLOC_ARENA_MAX") == "1"
 
 
 def at_import() -> None:
   """At `import pallas_emb`: in a process whose JAX will run on CPU and has
   not started its backends, one arena and freed memory kept."""
   global _one_arena
-  if _glibc() is None or not _jax_will_run_on_cpu():
+  libc = _glibc()
+  if libc is None or not _jax_will_run_on_cpu():
     return
-  if os.environ.get("MALLOC_ARENA_MAX") == "1":
-    _one_arena = True
-  else:
-    _one_arena = _glibc().mallopt(_M_ARENA_MAX, 1) == 1
+  _one_arena = _one_arena or libc.mallopt(_M_ARENA_MAX, 1) == 1
   keep_freed_memory()
 
 
@@ -72,7 +72,7 @@ def keep_freed_memory() -> bool:
                  "(M_MMAP_MAX=0, M_TRIM_THRESHOLD=%d%s); set %s=1 to leave "
                  "it as it is.", _INT_MAX,
                  ", M_ARENA_MAX=1" if _one_arena else "", OPT_OUT)
-  if _kept and not _one_arena and os.environ.get("MALLOC_ARENA_MAX") != "1":
+  if _kept and not _one_arena:
     logging.warning(
         "pallas_emb: JAX ran before pallas_emb was imported, so XLA:CPU's "
         "threads have their own malloc arenas, which mmap every block over "

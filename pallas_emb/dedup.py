@@ -178,8 +178,9 @@ def unique_by_slot_map(keys: jax.Array, num_unique: int, slot_map: jax.Array,
     firsts = is_first & _region_bounds(keys, real, regions, r)
     in_region = jnp.cumsum(firsts, dtype=jnp.int32) - 1
     slot = jnp.where(firsts & (in_region < slots), base + in_region, slot)
-    kept = jnp.minimum(jnp.sum(firsts, dtype=jnp.int32), slots)
-    num_overflow += jnp.sum(firsts, dtype=jnp.int32) - kept
+    distinct = jnp.sum(firsts, dtype=jnp.int32)
+    kept = jnp.minimum(distinct, slots)
+    num_overflow += distinct - kept
     base += kept
   unique_tokens = jnp.full((num_unique,), FILL_VALUE, jnp.int32).at[
       jnp.where(slot >= 0, slot, num_unique)].set(keys, mode="drop")

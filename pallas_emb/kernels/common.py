@@ -278,9 +278,10 @@ def take_rows(table: jax.Array, rows: jax.Array) -> jax.Array:
   XLA:CPU gathers a uint16 row a column at a time, and fused into the
   update's math that gather made a bf16 step 2.6x an f32 one; a row of
   words moves half the elements, and the barrier keeps it a gather of its
-  own (contiguous rows for the math). The bf16 step at 1M x 64, bags of
-  20, 62.0 -> 49.6 ms; at 10M rows, 65,536 ids, 27.7 -> 19.1 ms
-  (docs/cpu_performance.md, "bf16 rows as words"). Only the update reads
+  own (contiguous rows for the math). The default bf16 step at 1M x 64,
+  bags of 20, 57.7 -> 48.7 ms; at 10M rows, 65,536 ids, 28.3 -> 21.0 ms
+  (`bench.cpu_knobs --variants=default,uint16_gather`; docs/
+  cpu_performance.md, "bf16 rows as words"). Only the update reads
   a table this way: XLA:CPU makes the view with a pass over the table,
   which it fuses into one gather but runs over every row for two (the
   lookup's too; tests/hlo_test.py).
