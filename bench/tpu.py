@@ -37,6 +37,9 @@ _BACKENDS = flags.DEFINE_list("backends", ["mosaic_tpu", "xla"],
                               "Library backends to time.")
 _DENSE = flags.DEFINE_bool("dense", True, "Time the dense optax step too.")
 _ZIPF = flags.DEFINE_float("zipf", 1.05, "Zipf exponent of the ids.")
+_DISTS = flags.DEFINE_list(
+    "dists", ["zipf"], "Id distributions: zipf (Zipf, hot rows spread over "
+    "the table), hot_low (Zipf, the lowest ids the hottest), uniform.")
 _REPEATS = flags.DEFINE_integer("repeats", 10, "Timed rounds.")
 _WARMUP = flags.DEFINE_integer("warmup", 2, "Untimed rounds first.")
 _JSON_OUT = flags.DEFINE_string("json_out", None, "Write the results here.")
@@ -47,7 +50,8 @@ def _loss(emb):
   return jnp.sum(jnp.square(emb.astype(jnp.float32))) * 1e-3
 
 
-def _cases(rows, width, dtype, kind, num_ids, bag, backends, dense, zipf):
+def _cases(rows, width, dtype, kind, num_ids, bag, backends, dense, zipf,
+           dist="zipf"):
   """{name: (jitted step, state)} and the id batches of one configuration."""
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
@@ -58,9 +62,14 @@ def _cases(rows, width, dtype, kind, num_ids, bag, backends, dense, zipf):
   mesh = jax.make_mesh((1,), ("x",), devices=jax.devices()[:1])
   shape = (num_ids,) if kind == "sequence" else (num_ids, bag)
   rng = np.random.default_rng(0)
-  batches = [jnp.asarray(zipf_ids(rng, rows - 1, int(np.prod(shape)), zipf,
-                                  permute=True).reshape(shape), jnp.int32)
-             for _ in range(4)]
+  size = int(np.prod(shape))
+
+  def ids():
+    if dist == "uniform":
+      return rng.integers(0, rows, size)
+    return zipf_ids(rng, rows - 1, size, zipf, permute=dist == "zipf")
+
+  batches = [jnp.asarray(ids().reshape(shape), jnp.int32) for _ in range(4)]
   combiner = None if kind == "sequence" else "sum"
   cases = {}
   for backend in backends:
@@ -101,13 +110,13 @@ def _temporaries(step, state, ids) -> int:
   return int(getattr(analysis, "temp_size_in_bytes", -1)) if analysis else -1
 
 
-def run_configuration(rows, width, dtype, kind, failures):
+def run_configuration(rows, width, dtype, kind, failures, dist="zipf"):
   """Median ms, speed-up over dense and temporaries of every case that
   compiles and runs; a case that fails is named in `failures` and left
   out (one chip session should measure everything that works)."""
   import jax  # pylint: disable=g-import-not-at-top
   cases, batches = _cases(rows, width, dtype, kind, _IDS.value, _BAG.value,
-                          _BACKENDS.value, _DENSE.value, _ZIPF.value)
+                          _BACKENDS.value, _DENSE.value, _ZIPF.value, dist)
   states, temps = {}, {}
   for name, (step, state) in list(cases.items()):
     try:
@@ -133,8 +142,9 @@ def run_configuration(rows, width, dtype, kind, failures):
   for name in cases:
     ms = 1e3 * statistics.median(times[name])
     records.append({"rows": rows, "width": width, "dtype": dtype,
-                    "kind": kind, "case": name, "ms": ms,
+                    "kind": kind, "dist": dist, "case": name, "ms": ms,
                     "temp_bytes": temps[name],
+                    "temp_of_table": temps[name] / table_bytes,
                     "table_sized_temp": temps[name] >= table_bytes})
   dense = next((r["ms"] for r in records if r["case"] == "dense"), None)
   for r in records:
@@ -143,14 +153,14 @@ def run_configuration(rows, width, dtype, kind, failures):
 
 
 def format_table(records) -> str:
-  lines = ["| rows | width | dtype | feature | case | step ms | x dense | "
-           "temporaries |", "|---|---|---|---|---|---|---|---|"]
+  lines = ["| rows | width | dtype | feature | ids | case | step ms | "
+           "x dense | temporaries |", "|---|---|---|---|---|---|---|---|---|"]
   for r in records:
     vs = f"{r['vs_dense']:.2f}x" if r["vs_dense"] else "-"
-    flag = " (table-sized)" if r["table_sized_temp"] else ""
+    flag = f" ({r['temp_of_table']:.0%} of the table)"
     lines.append(
         f"| {r['rows']:,} | {r['width']} | {r['dtype']} | {r['kind']} | "
-        f"{r['case']} | {r['ms']:.3f} | {vs} | "
+        f"{r['dist']} | {r['case']} | {r['ms']:.3f} | {vs} | "
         f"{r['temp_bytes'] / 2**20:.1f} MiB{flag} |")
   return "\n".join(lines)
 
@@ -161,10 +171,10 @@ def main(argv):
   print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}, "
         f"{_IDS.value} ids, bags of {_BAG.value}")
   records, failures = [], []
-  for rows, width, dtype, kind in itertools.product(
-      _ROWS.value, _WIDTHS.value, _DTYPES.value, _KINDS.value):
+  for rows, width, dtype, kind, dist in itertools.product(
+      _ROWS.value, _WIDTHS.value, _DTYPES.value, _KINDS.value, _DISTS.value):
     new = run_configuration(int(float(rows)), int(width), dtype, kind,
-                            failures)
+                            failures, dist)
     records += new
     print(format_table(new), flush=True)
     if _JSON_OUT.value:

@@ -158,7 +158,8 @@ class EmbeddingCollection:
 
   def _fresh_opt_state(self, stack):
     """A stack's initial optimizer state (None for a looked-up-only one)."""
-    return placement_lib.fresh_state(stack, self.mesh, self.table_axis)
+    return placement_lib.fresh_state(stack, self.mesh, self.table_axis,
+                                     self.backend)
 
   def _fresh_map(self, stack):
     return state_lib.fresh_slot_map(stack, NamedSharding(self.mesh, P()))
@@ -262,6 +263,9 @@ class EmbeddingCollection:
         opt_state = placement_lib.jitted(
             placement_lib.state_to_physical, stack, shardings)(
                 [opt_states[n] for n in stack.tables])
+      if opt_states is not None and stack.optimizer is not None:
+        opt_state = placement_lib.state_as_storage(stack, self.backend,
+                                                   opt_state)
       stacks[stack.name] = StackState(self._stored(stack, table), opt_state,
                                       self._fresh_map(stack))
     return CollectionState(stacks, self.plan.fingerprint)
@@ -271,7 +275,8 @@ class EmbeddingCollection:
     self._check_state(state)
     out = {}
     for stack in self.plan.stacks:
-      table = placement_lib.as_logical(state.stacks[stack.name].table)
+      table = placement_lib.as_logical(stack,
+                                       state.stacks[stack.name].table)
       if stack.placement == "column":
         parts = placement_lib.from_physical(stack, table)
       else:
@@ -295,6 +300,8 @@ class EmbeddingCollection:
         parts = placement_lib.jitted(placement_lib.state_from_physical,
                                      stack, NamedSharding(self.mesh, P()))(
                                          opt_state)
+      if stack.optimizer is not None:
+        parts = [placement_lib.state_as_logical(stack, p) for p in parts]
       out.update(zip(stack.tables, parts))
     return {name: out[name] for name in self.tables}
 
@@ -314,7 +321,7 @@ class EmbeddingCollection:
     name = quantize_lib.check_serving_dtype(dtype)
     return ServingState(
         {s.name: quantize_lib.quantize_rows(
-            placement_lib.as_logical(state.stacks[s.name].table), name)
+            placement_lib.as_logical(s, state.stacks[s.name].table), name)
          for s in self.plan.stacks}, name, self.plan.fingerprint,
         state_lib.serving_layouts(self.plan))
 

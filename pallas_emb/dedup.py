@@ -52,7 +52,7 @@ def _region_bounds(keys: jax.Array, real: jax.Array, regions, r: int):
 
 def unique_and_segments(keys: jax.Array, num_unique: int, *,
                         regions: Sequence[tuple[int, int]] | None = None,
-                        on_cpu: bool = False):
+                        on_cpu: bool = False, on_tpu: bool = False):
   """Sorted unique keys (padded with FILL_VALUE) and each key's slot.
 
   Args:
@@ -68,6 +68,10 @@ def unique_and_segments(keys: jax.Array, num_unique: int, *,
       key's slot back through that permutation; XLA:CPU sorts a lone int32
       array several times faster than one with a payload, so on CPU the
       keys are sorted alone and each finds its slot by binary search.
+    on_tpu: no scatter (a TPU runs XLA's scatters a row at a time, about
+      20 ns each on a v5e, and sorts 327,680 pairs in 0.6 ms): the unique
+      rows are compacted and the slots put back in entry order by two more
+      sorts.
 
   Returns:
     `(unique_tokens [num_unique], segment_ids like keys, num_distinct,
@@ -101,9 +105,20 @@ def unique_and_segments(keys: jax.Array, num_unique: int, *,
     kept = jnp.minimum(distinct, slots)
     num_overflow += distinct - kept
     base += kept
+  kept_slot = jnp.where(is_first & (slot >= 0), slot, num_unique)
+  if on_tpu:
+    # The kept rows sorted by their slots come first; the slots, sorted by
+    # the positions the keys came from, are back in entry order.
+    _, compact = lax.sort((kept_slot, ordered), num_keys=1)
+    compact = jnp.where(jnp.arange(n) < num_distinct - num_overflow,
+                        compact, FILL_VALUE)
+    unique_tokens = (compact[:num_unique] if n >= num_unique else
+                     jnp.pad(compact, (0, num_unique - n),
+                             constant_values=FILL_VALUE))
+    _, segment_ids = lax.sort((order, slot), num_keys=1)
+    return unique_tokens, segment_ids, num_distinct, num_overflow
   unique_tokens = jnp.full((num_unique,), FILL_VALUE, jnp.int32).at[
-      jnp.where(is_first & (slot >= 0), slot, num_unique)].set(
-          ordered, mode="drop")
+      kept_slot].set(ordered, mode="drop")
   # `rank` does not grow inside a run of equal keys, so every position of
   # a run already holds its run's slot.
   if on_cpu:

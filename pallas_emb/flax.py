@@ -456,8 +456,10 @@ class FlaxTrainer:
     flat = traverse_util.flatten_dict(dict(state.dense_params))
     embedding = state.embedding
     if self._home is not None:
+      plans = {s.name: s for s in self.collection.plan.stacks}
       for name, stack in embedding.stacks.items():
-        flat[self._home + (name,)] = placement_lib.as_logical(stack.table)
+        flat[self._home + (name,)] = placement_lib.as_logical(
+            plans[name], stack.table)
     else:
       for name, table in self.collection.table_arrays(embedding).items():
         flat[_embed_path(name)] = table

@@ -18,6 +18,7 @@ import numpy as np
 
 from pallas_emb import exchange
 from pallas_emb.kernels import common
+from pallas_emb.kernels.mosaic_tpu import stored
 from pallas_emb.stacking import StackPlan
 
 COLUMN = "column"
@@ -26,32 +27,141 @@ TABLE = "table"
 REPLICATED = "replicated"
 
 
+MOSAIC = ("mosaic_tpu", "mosaic_tpu_interpret")
+
+
+def stored_layout(backend: str) -> bool:
+  """Whether a state of `backend` holds its tables in the Mosaic backend's
+  stored layout (`kernels/mosaic_tpu/stored.py`: rows of 32-bit words
+  padded to whole 128-lane rows, bf16 packed two columns a word; the
+  element-wise optimizer state in the gradients' layout)."""
+  return backend in MOSAIC
+
+
 def storage_dtype(stack: StackPlan, backend: str) -> np.dtype:
   """The dtype a collection state holds the stack's table in: the stack's
   own, except a bf16 table on the xla backend, held as its uint16 bits
   (`kernels.common.BF16_BITS`: XLA:CPU scatters uint16 rows in place, but
-  runs a bf16 scatter, or a bitcast of the table, over every row). The
-  bytes are the same; `table_arrays`, checkpoints, the layers and
-  `quantize` see bf16."""
+  runs a bf16 scatter, or a bitcast of the table, over every row), and a
+  bf16 table on the Mosaic backend, held as uint32 words of two columns.
+  `table_arrays`, checkpoints, the layers and `quantize` see bf16."""
+  if stored_layout(backend):
+    return stored.stored_dtype(stack.dtype)
   if backend == "xla" and stack.dtype == np.dtype(jnp.bfloat16):
     return np.dtype(common.BF16_BITS)
   return stack.dtype
 
 
+def shard_width(stack: StackPlan) -> int:
+  """Columns of the stack each rank holds."""
+  return stack.emb_width // (stack.ranks if stack.placement == COLUMN else 1)
+
+
+def _column_blocks(stack: StackPlan) -> int:
+  return stack.ranks if stack.placement == COLUMN else 1
+
+
+def storage_width(stack: StackPlan, backend: str) -> int:
+  """Columns of the stack's physical table as a state holds it: each
+  rank's columns padded in the stored layout on the Mosaic backend."""
+  if not stored_layout(backend):
+    return stack.emb_width
+  return _column_blocks(stack) * stored.stored_width(shard_width(stack),
+                                                     stack.dtype)
+
+
+def element_width(stack: StackPlan, backend: str) -> int:
+  """Columns of an element-wise optimizer state array of the stack."""
+  if not stored_layout(backend):
+    return stack.emb_width
+  return _column_blocks(stack) * stored.grad_width(shard_width(stack),
+                                                   stack.dtype)
+
+
+def _per_rank(stack: StackPlan, fn, x):
+  """`fn` (on the last axis) applied to each rank's block of columns of
+  `x` `[rows, W * cols]` (W: the column ranks)."""
+  blocks = _column_blocks(stack)
+  if blocks == 1:
+    return fn(x)
+  out = fn(x.reshape(x.shape[0], blocks, -1))
+  return out.reshape(x.shape[0], -1)
+
+
+def _table_to_stored(stack, x):
+  return _per_rank(stack, stored.to_stored, x)
+
+
+def _table_from_stored(stack, x):
+  return _per_rank(stack, lambda b: stored.from_stored(
+      b, shard_width(stack), stack.dtype), x)
+
+
+def _element_to_stored(stack, x):
+  return _per_rank(stack, lambda b: stored.to_grads(b, stack.dtype), x)
+
+
+def _element_from_stored(stack, x):
+  return _per_rank(stack, lambda b: stored.from_grads(
+      b, shard_width(stack), stack.dtype), x)
+
+
 def as_storage(stack: StackPlan, backend: str, table):
-  """A stack's physical table in its dtype as its state holds it (another
-  dtype is left as it is, for `check_state` to name)."""
-  if (np.dtype(table.dtype) != stack.dtype
-      or storage_dtype(stack, backend) == stack.dtype):
+  """A stack's physical table as its state holds it (another dtype is left
+  as it is, for `check_state` to name)."""
+  if np.dtype(table.dtype) != stack.dtype:
+    return table
+  if stored_layout(backend):
+    return _convert(_table_to_stored, stack, table)
+  if storage_dtype(stack, backend) == stack.dtype:
     return table
   return _bitcast(table, to_bits=True)
 
 
-def as_logical(table):
-  """A state's stack table in its logical dtype (bf16 for uint16 bits)."""
-  if table.dtype != common.BF16_BITS:
-    return table
-  return _bitcast(table, to_bits=False)
+def as_logical(stack: StackPlan, table):
+  """A state's stack table as the logical `[total_rows, emb_width]` array
+  of its dtype (bf16 for uint16 bits; the stored layout unpacked)."""
+  if table.dtype == common.BF16_BITS:
+    return _bitcast(table, to_bits=False)
+  if table.dtype == stored.WORD or table.shape[1] != stack.emb_width:
+    return _convert(_table_from_stored, stack, table)
+  return table
+
+
+def state_as_storage(stack: StackPlan, backend: str, opt_state):
+  """An optimizer state of logical element-wise arrays as a state of
+  `backend` holds it (the gradients' layout on the Mosaic backend)."""
+  if opt_state is None or not stored_layout(backend):
+    return opt_state
+  return _map_element_slots(stack, opt_state, lambda x: (
+      x if x.shape[1] != stack.emb_width else
+      _convert(_element_to_stored, stack, x)))
+
+
+def state_as_logical(stack: StackPlan, opt_state):
+  """The inverse of `state_as_storage` (logical arrays are left as they
+  are)."""
+  if opt_state is None:
+    return opt_state
+  return _map_element_slots(stack, opt_state, lambda x: (
+      x if x.shape[1] == stack.emb_width else
+      _convert(_element_from_stored, stack, x)))
+
+
+def _map_element_slots(stack, opt_state, fn):
+  opt = stack.optimizer
+  arrays = {s.name: getattr(opt_state, s.name) for s in opt.slots()}
+  for slot in opt.slots():
+    if slot.kind == "element":
+      arrays[slot.name] = fn(arrays[slot.name])
+  return _state(opt, arrays, opt_state.step)
+
+
+def _convert(fn, stack, x):
+  """`fn(stack, x)`, keeping `x`'s sharding (traced: inline)."""
+  if not isinstance(x, jax.Array) or isinstance(x, jax.core.Tracer):
+    return fn(stack, x)
+  return jitted(fn, stack, x.sharding)(x)
 
 
 def _bitcast(x, to_bits: bool):
@@ -103,20 +213,22 @@ def state_specs(stack: StackPlan, table_axis):
   return _state(opt, {s.name: spec for s in opt.slots()}, P())
 
 
-def fresh_state(stack: StackPlan, mesh, table_axis):
-  """A stack's initial optimizer state on its shardings."""
+def fresh_state(stack: StackPlan, mesh, table_axis, backend: str = "xla"):
+  """A stack's initial optimizer state on its shardings, as a state of
+  `backend` holds it."""
   opt = stack.optimizer
   if opt is None:
     return None
   table = NamedSharding(mesh, table_spec(stack, table_axis))
   replicated = NamedSharding(mesh, P())
+  width = element_width(stack, backend)
   if stack.placement == COLUMN:
     return opt.init_state(stack.total_rows, replicated, table,
-                          emb_width=stack.emb_width)
+                          emb_width=width)
   arrays = {}
   for slot in opt.slots():  # every slot's rows where the table's are
     shape = (stack.total_rows,) + (
-        (stack.emb_width,) if slot.kind == "element" else ())
+        (width,) if slot.kind == "element" else ())
     # `place`: under a user's jit (`jax.jit(coll.init)`), `device=` alone
     # left the state replicated on every rank.
     arrays[slot.name] = exchange.place(

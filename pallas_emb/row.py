@@ -53,6 +53,7 @@ from pallas_emb.dedup import FILL_VALUE
 from pallas_emb.dedup import unique_and_segments
 from pallas_emb.errors import InputError
 from pallas_emb.kernels import common
+from pallas_emb.kernels.mosaic_tpu import stored
 from pallas_emb.layout import StackLayout
 from pallas_emb.quantize import QuantizedRows
 
@@ -94,7 +95,8 @@ def _buckets(layout: StackLayout, keys: jax.Array):
   w, c, n = ctx.group_size, layout.capacity, keys.shape[0]
   trains = keys >= 0
   unique, segments, _, _ = unique_and_segments(
-      stack.rows_of(keys), n, on_cpu=stack.on_cpu(ctx))
+      stack.rows_of(keys), n, on_cpu=stack.on_cpu(ctx),
+      on_tpu=stack.on_tpu(ctx))
   unique_trains = jnp.zeros((n,), jnp.int32).at[segments].max(
       trains.astype(jnp.int32)) > 0
   real = unique != FILL_VALUE
@@ -212,8 +214,9 @@ def _serve_on_owner(layout: StackLayout, backend: str, table,
   else:
     partials = kernels.pool_rows(
         table, *bags, max_len=layout.max_bag_len, backend=backend,
-        config=config.pool, out_dtype=jnp.float32)
-    out_dtype = common.logical_dtype(table.dtype)
+        config=config.pool, out_dtype=jnp.float32,
+        width=layout.ctx.shard_width)
+    out_dtype = stored.logical_dtype(table)
   mine = exchange.all_to_all(ctx, partials).reshape(
       ctx.group_size, layout.pooled_bags, -1)
   pooled = _sum_in_rank_order(mine).astype(out_dtype)
@@ -239,7 +242,8 @@ def _serve(layout: StackLayout, backend: str, table, routing: RowRouting,
         jnp.take(table.scale, local), jnp.take(table.bias, local)))
   else:
     gathered = kernels.gather_rows(table, local, backend=backend,
-                                   config=config.gather)
+                                   config=config.gather,
+                                   width=layout.ctx.shard_width)
   rows = exchange.all_to_all(layout.ctx, gathered)
   # Slot W * C (an overflowed row) reads zeros (fused: codes, scale and
   # bias 0).
@@ -333,7 +337,7 @@ def update(layout: StackLayout, backend: str, table, opt_state,
     received = _owner_entry_grads(layout, grads, routing)
   else:
     received = _sent_grads(layout, grads, routing, backend,
-                           common.logical_dtype(table.dtype), kernel_config)
+                           stored.logical_dtype(table), kernel_config)
   return update_lib.update_from_routed(
       layout.ctx, layout.optimizer, backend, table, opt_state, received,
       routing.owner_segments, routing.owner_unique, pending,
@@ -349,6 +353,8 @@ def dense_grad_stack(layout: StackLayout, table, ids, weights, cotangents):
           if layout.pool_on_owner else
           _sent_grads(layout, cotangents, routing, "xla",
                       common.logical_dtype(table.dtype), None))
+  if sums.shape[-1] != table.shape[1]:  # a stored f32 table: padded rows
+    sums = stored.to_grads(sums, jnp.float32)
   trains = (received >= 0) & (received != FILL_VALUE)
   dense = jnp.zeros(table.shape, jnp.float32).at[
       jnp.where(trains, received, table.shape[0])].add(sums, mode="drop")

@@ -18,6 +18,7 @@ from typing import NamedTuple, Sequence
 import jax
 import jax.numpy as jnp
 from jax import lax
+import numpy as np
 
 from pallas_emb import exchange
 from pallas_emb import kernels
@@ -28,6 +29,7 @@ from pallas_emb.dedup import unique_and_segments
 from pallas_emb.dedup import unique_by_slot_map
 from pallas_emb.errors import InputError
 from pallas_emb.kernels import common
+from pallas_emb.kernels.mosaic_tpu import stored
 from pallas_emb.layout import FeatureLayout
 from pallas_emb.layout import StackLayout
 from pallas_emb.quantize import QuantizedRows
@@ -197,10 +199,13 @@ def gather_served(layout: StackLayout, backend: str, table, keys_all,
     pool = lambda *args, **kw: kernels.pool_dequantized(
         *table, *args, **kw, backend=backend, config=config.quantized)
   else:
+    width = ctx.shard_width  # the table may be stored with padded rows
     gather = lambda ids: kernels.gather_rows(table, ids, backend=backend,
-                                             config=config.gather)
+                                             config=config.gather,
+                                             width=width)
     pool = lambda *args, **kw: kernels.pool_rows(
-        table, *args, **kw, backend=backend, config=config.pool)
+        table, *args, **kw, backend=backend, config=config.pool,
+        width=width)
   served = []
   if layout.sequence:
     seq = rows[:, :layout.sequence_entries].reshape(-1)
@@ -359,7 +364,8 @@ def dedup_over_replicas(ctx, keys: jax.Array, num_unique: int, regions=(),
                           axis=0, tiled=True)
   if slot_map is None:
     unique, segments, distinct, overflow = unique_and_segments(
-        keys, num_unique, regions=regions, on_cpu=on_cpu(ctx))
+        keys, num_unique, regions=regions, on_cpu=on_cpu(ctx),
+        on_tpu=on_tpu(ctx))
   else:
     unique, segments, distinct, overflow, slot_map = unique_by_slot_map(
         keys, num_unique, slot_map, regions=regions)
@@ -372,6 +378,11 @@ def dedup_over_replicas(ctx, keys: jax.Array, num_unique: int, regions=(),
 def on_cpu(ctx) -> bool:
   """Whether the layout's devices are CPUs (picks the dedup formulation)."""
   return ctx.mesh.devices.flat[0].platform == "cpu"
+
+
+def on_tpu(ctx) -> bool:
+  """Whether the layout's devices are TPUs (the dedup without scatters)."""
+  return ctx.mesh.devices.flat[0].platform == "tpu"
 
 
 # The xla backend's update on CPU runs at the smallest of these sizes of
@@ -444,6 +455,14 @@ def _update(layout: StackLayout, backend: str, table, opt_state,
            else update_lib.COLUMNS)
   num_unique = routing.unique_tokens.shape[0]
   round_dtype = common.logical_dtype(table.dtype)
+  if (backend in update_lib.MOSAIC
+      and stored.is_stored(table, layout.ctx.shard_width)):
+    grad_accum, row_sq = _mosaic_grad_sums(layout, backend, table, routing,
+                                           grads, weights_all)
+    return update_lib.update_from_sums(
+        layout.ctx, layout.optimizer, backend, table, opt_state, grad_accum,
+        row_sq, routing.unique_tokens, pending, routing.num_overflow,
+        kernel_config, norms, stored_grads=True)
   if backend != "xla":
     return update_lib.update_from_routed(
         layout.ctx, layout.optimizer, backend, table, opt_state,
@@ -464,6 +483,54 @@ def _update(layout: StackLayout, backend: str, table, opt_state,
       kernel_config, norms)
 
 
+def _mosaic_grad_sums(layout: StackLayout, backend: str, table,
+                      routing: StackRouting, grads, weights_all):
+  """The Mosaic backend's gradient sums of a stack with a stored table:
+  f32 `[U, G]` in the stored layout's gradient columns
+  (`stored.to_grads`), and the row norms `[U + 1]` of their logical
+  columns. Each sequence id's gradient row and each bag's (scaled by the
+  entry's combiner weight) is added to its slot by the kernel, in entry
+  order: no per-entry gradient rows."""
+  ctx = layout.ctx
+  w = ctx.group_size
+  dtype = stored.logical_dtype(table)
+  routed = _routed_rows(layout, grads)  # [W, T, S]
+  rows = stored.to_grads(routed.reshape(-1, routed.shape[-1]), dtype)
+  entry_rows, entry_weights = _entry_rows(layout)
+  if layout.pooled:
+    pooled = weights_all.reshape(w, -1)
+    weights = jnp.concatenate(
+        [jnp.ones((w, layout.sequence_entries), jnp.float32),
+         pooled.astype(jnp.float32)], axis=1).reshape(-1)
+  else:
+    weights = jnp.asarray(entry_weights)
+  unique = routing.unique_tokens
+  num_unique = unique.shape[0]
+  used = jnp.max(jnp.where(unique != FILL_VALUE,
+                           jnp.arange(1, num_unique + 1), 0), initial=0)
+  grad_accum = kernels.grad_sums(rows, entry_rows, routing.segments, weights,
+                                 num_unique, used, backend=backend)
+  row_sq = update_lib.logical_row_sums(grad_accum, ctx.shard_width, dtype,
+                                       used)
+  return grad_accum, row_sq
+
+
+def _entry_rows(layout: StackLayout):
+  """Per entry of the communicator (the all-gathered order `[W, E]`,
+  flat): the routed row it reads (its own for a sequence id, its bag's
+  for a pooled entry; never decreasing) and its weight for a stack with
+  sequence features only (1). Static."""
+  w = layout.ctx.group_size
+  seq = layout.sequence_entries
+  rows_per_rank = seq + layout.pooled_bags
+  local = np.concatenate([np.arange(seq, dtype=np.int32),
+                          seq + layout.entry_bags()]) if layout.pooled else (
+                              np.arange(seq, dtype=np.int32))
+  rows = (np.arange(w, dtype=np.int32)[:, None] * rows_per_rank
+          + local[None, :]).reshape(-1)
+  return rows.astype(np.int32), np.ones(rows.shape, np.float32)
+
+
 def dense_grad(layout: StackLayout, table, keys_all, weights_all, cotangents):
   """The dense scatter-add cotangent of the stack's table (plain jax.grad).
 
@@ -472,6 +539,8 @@ def dense_grad(layout: StackLayout, table, keys_all, weights_all, cotangents):
   rows. Summed over replicas, in the table's dtype.
   """
   routed = routed_entry_grads(layout, cotangents, weights_all)
+  if routed.shape[-1] != table.shape[1]:  # a stored f32 table: padded rows
+    routed = stored.to_grads(routed, jnp.float32)
   keys = keys_all.reshape(-1)
   dense = jnp.zeros(table.shape, jnp.float32).at[
       jnp.where(keys >= 0, keys, table.shape[0])].add(

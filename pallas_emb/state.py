@@ -170,10 +170,12 @@ def check_state(plan, state, backend: str) -> None:
     table = state.stacks[stack.name].table
     shape = (stack.total_rows, stack.emb_width)
     stored = placement.storage_dtype(stack, backend)
-    if (tuple(table.shape) != shape
-        or np.dtype(table.dtype) not in (stack.dtype, stored)):
-      bits = (f" (held as {stored.name} on the {backend} backend)"
-              if stored != stack.dtype else "")
+    stored_shape = (stack.total_rows, placement.storage_width(stack, backend))
+    if ((tuple(table.shape), np.dtype(table.dtype)) not in (
+        (shape, stack.dtype), (stored_shape, stored))):
+      bits = (f" (held as {stored.name}{list(stored_shape)} on the "
+              f"{backend} backend)" if (stored, stored_shape) != (
+                  stack.dtype, shape) else "")
       raise InputError(
           f"pallas_emb collection state {stack.name} table is "
           f"{np.dtype(table.dtype).name}{list(table.shape)}; the plan says "

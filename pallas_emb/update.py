@@ -19,6 +19,7 @@ from jax.sharding import PartitionSpec as P
 from pallas_emb import exchange
 from pallas_emb import kernels
 from pallas_emb.kernels import common
+from pallas_emb.kernels.mosaic_tpu import stored
 from pallas_emb.validation import EmbeddingContext
 
 
@@ -41,6 +42,33 @@ UPDATE_STATS_SPEC = UpdateStats(P(), P(), P(), P())
 
 # What `update_from_sums` sums over the communicator (see there).
 COLUMNS, ROWS, NONE = "columns", "rows", "none"
+MOSAIC = ("mosaic_tpu", "mosaic_tpu_interpret")
+# Slots per chunk of `logical_row_sums`.
+ROW_SUM_CHUNK = 32768
+
+
+def logical_row_sums(grad_accum: jax.Array, width: int, dtype,
+                     used=None) -> jax.Array:
+  """`common.row_square_sums` of sums in the stored layout's gradient
+  columns (`stored.to_grads`), over their logical columns in order (so a
+  row's norm has the bits it has on the other backends), `[U + 1]`.
+
+  `used`: slots at and past it are zero (a chunk at a time up to it)."""
+  num_slots = grad_accum.shape[0]
+  logical = lambda g: stored.from_grads(g, width, dtype)
+  if used is None or num_slots <= ROW_SUM_CHUNK:
+    return common.row_square_sums(logical(grad_accum), dtype)
+
+  def body(start, fresh, row_sq):
+    del fresh  # A slot's sum is the same each time it is computed.
+    chunk = lax.dynamic_slice_in_dim(grad_accum, start, ROW_SUM_CHUNK)
+    sums = common.row_square_sums(logical(chunk), dtype)[:ROW_SUM_CHUNK]
+    return lax.dynamic_update_slice_in_dim(row_sq, sums, start, 0)
+
+  row_sq = kernels.xla._over_used_chunks(  # pylint: disable=protected-access
+      body, num_slots, used, jnp.zeros((num_slots,), jnp.float32),
+      ROW_SUM_CHUNK)
+  return jnp.concatenate([row_sq, jnp.sum(row_sq, keepdims=True)])
 
 
 def _ordered_sum(x: jax.Array, axes) -> jax.Array:
@@ -73,11 +101,14 @@ def update_from_routed(ctx: EmbeddingContext, opt, backend: str, table,
 
 def update_from_sums(ctx: EmbeddingContext, opt, backend: str, table,
                      opt_state, grad_accum, row_sq, unique_tokens, pending,
-                     num_overflow, kernel_config=None, norms=COLUMNS):
+                     num_overflow, kernel_config=None, norms=COLUMNS,
+                     stored_grads=False):
   """The update on one rank from this rank's segment sums.
 
   `grad_accum` f32 `[U, S]` and `row_sq` `[U + 1]` as
-  `kernels.segment_sum_rows` returns them for this rank's tokens. `norms`
+  `kernels.segment_sum_rows` returns them for this rank's tokens (or, with
+  `stored_grads`, `grad_accum` in the stored layout's gradient columns,
+  for a stored table of the Mosaic backend: `stored.to_grads`). `norms`
   says what the communicator adds to them: COLUMNS (a rank holds columns:
   each row's norm is summed over the ranks, full width), ROWS (a rank holds
   whole rows of its own: only the total is summed) or NONE (every rank
@@ -85,11 +116,17 @@ def update_from_sums(ctx: EmbeddingContext, opt, backend: str, table,
   finite and `pending` is true, the same on every rank.
   """
   num_unique = unique_tokens.shape[0]
+  dtype = stored.logical_dtype(table) if backend in MOSAIC else (
+      common.logical_dtype(table.dtype))
+  if (backend in MOSAIC and not stored_grads
+      and stored.is_stored(table, grad_accum.shape[1])):
+    grad_accum = stored.to_grads(grad_accum, dtype)
+    stored_grads = True
   if ctx.replica_axis:
     # Every replica applies the same update: sum all replicas' rows first.
     grad_accum = _ordered_sum(grad_accum, ctx.replica_axis)
-    row_sq = common.row_square_sums(grad_accum,
-                                    common.logical_dtype(table.dtype))
+    row_sq = (logical_row_sums(grad_accum, ctx.shard_width, dtype)
+              if stored_grads else common.row_square_sums(grad_accum, dtype))
   if ctx.group_size > 1 and norms == COLUMNS:
     row_sq = _ordered_sum(row_sq, ctx.table_axis)
   elif ctx.group_size > 1 and norms == ROWS:

@@ -34,7 +34,8 @@ PALLAS_BACKENDS = {**dict.fromkeys(GPU_PLATFORMS, "triton"),
 # the Triton kernels (docs/gpu.md); on TPUs XLA's ops until the Mosaic
 # kernels are timed on the chip by bench/tpu_check.sh (docs/tpu.md); on CPUs
 # the xla backend, the only compiled one.
-AUTO_BACKENDS = {**dict.fromkeys(GPU_PLATFORMS, "triton"), "tpu": "xla"}
+AUTO_BACKENDS = {**dict.fromkeys(GPU_PLATFORMS, "triton"),
+                 "tpu": "mosaic_tpu"}
 TABLE_DTYPES = ("float32", "bfloat16")
 
 

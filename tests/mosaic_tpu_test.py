@@ -28,6 +28,8 @@ import pallas_emb as pe
 from pallas_emb import kernels
 from pallas_emb import validation
 from pallas_emb.kernels import reference
+from pallas_emb.kernels.mosaic_tpu import lookup
+from pallas_emb.kernels.mosaic_tpu import stored
 
 BF16 = test_util.BF16
 F32 = np.float32
@@ -51,16 +53,43 @@ def assert_same(test, got, want, exact=EXACT):
 
 class LookupKernelTest(parameterized.TestCase):
 
-  @parameterized.product(width=(8, 64, 128, 200), dtype=(F32, BF16))
-  def test_gather_matches_model_and_twin(self, width, dtype):
+  @parameterized.product(width=(8, 64, 128, 200), dtype=(F32, BF16),
+                         method=("xla", "dma"))
+  def test_gather_matches_model(self, width, dtype, method):
     """Edge ids (negative, past the end, int32 extremes) and duplicates;
-    37 ids: a partial last tile."""
+    37 ids: a partial last tile. From the stored table and the logical."""
     table = gather_test.random_table(width, 50, width, dtype)
     ids = gather_test.edge_ids(width, 37, 50)
     ids[-5:] = ids[:5]
+    want = gather_test.np_gather(table, ids)
+    kept = stored.to_stored(jnp.asarray(table))
+    out = lookup.gather_rows(kept, jnp.asarray(ids), width=width,
+                             method=method, interpret=EXACT)
+    test_util.assert_bits_equal(self, out, want)
     out = kernels.gather_rows(jnp.asarray(table), jnp.asarray(ids),
                               backend=BACKEND)
-    test_util.assert_bits_equal(self, out, gather_test.np_gather(table, ids))
+    test_util.assert_bits_equal(self, out, want)
+
+  @parameterized.product(width=(8, 64, 200, 256), dtype=(F32, BF16))
+  def test_stored_layout_round_trips(self, width, dtype):
+    """Whole 128-lane rows of words; bf16 column 2j in a word's low half;
+    the gradient layout's columns (`to_grads`) invert too."""
+    table = jnp.asarray(gather_test.random_table(width, 9, width, dtype))
+    kept = stored.to_stored(table)
+    self.assertEqual(kept.shape[1] % 128, 0)
+    words = np.asarray(kept)
+    if dtype == BF16:
+      self.assertEqual(kept.dtype, jnp.uint32)
+      bits = np.asarray(table).view(np.uint16).astype(np.uint32)
+      np.testing.assert_array_equal(words[:, 0], bits[:, 0] | bits[:, 1] << 16)
+    test_util.assert_bits_equal(
+        self, stored.from_stored(kept, width, dtype), np.asarray(table))
+    grads = jnp.asarray(np.random.default_rng(0).normal(size=(9, width)),
+                        jnp.float32)
+    laid = stored.to_grads(grads, dtype)
+    self.assertEqual(laid.shape[1], stored.grad_width(width, dtype))
+    test_util.assert_bits_equal(self, stored.from_grads(laid, width, dtype),
+                                np.asarray(grads))
 
   def test_gather_empty(self):
     out = kernels.gather_rows(jnp.ones((5, 8)), jnp.zeros((0,), jnp.int32),
@@ -83,16 +112,16 @@ class LookupKernelTest(parameterized.TestCase):
                      + 1e-30).all(), err.max())
 
   def test_pool_of_bags_too_long_for_a_tile(self):
-    """16 bags x 300 entries x 256 columns pass the tile limit: the xla
+    """16 bags x 600 entries x 256 columns pass the tile limit: the xla
     backend's pooling, the same bits."""
     rng = np.random.default_rng(3)
-    args = pool_test.random_case(rng, 50, 256, 5, 300, jnp.float32)
-    out = kernels.pool_rows(*args, max_len=300, backend=BACKEND)
+    args = pool_test.random_case(rng, 50, 256, 5, 600, jnp.float32)
+    out = kernels.pool_rows(*args, max_len=600, backend=BACKEND)
     test_util.assert_bits_equal(self, out, test_util.as_numpy(
-        reference.pool_rows(*args, max_len=300)))
+        reference.pool_rows(*args, max_len=600)))
     pool = lambda *a, max_len: kernels.pool_rows(*a, max_len=max_len,
                                                  backend="mosaic_tpu")
-    for max_len, kernel in ((300, False), (5, True)):
+    for max_len, kernel in ((600, False), (5, True)):
       text = jax.jit(pool, static_argnames="max_len").trace(
           *args, max_len=max_len).lower(
               lowering_platforms=("tpu",)).as_text()
@@ -227,10 +256,40 @@ class CollectionStepTest(parameterized.TestCase):
         state, emb = step(state, _batch(seed))
       tables[backend] = coll.table_arrays(state)
       tables[backend + "_emb"] = emb
+      tables[backend + "_opt"] = coll.optimizer_arrays(state)
     for name in ("items", "tags"):
       assert_same(self, tables[BACKEND][name], tables["xla"][name])
     for name, emb in tables[BACKEND + "_emb"].items():
       assert_same(self, emb, tables["xla_emb"][name])
+    for got, want in zip(jax.tree.leaves(tables[BACKEND + "_opt"]),
+                         jax.tree.leaves(tables["xla_opt"])):
+      assert_same(self, got, want)
+
+  @parameterized.product(dtype=(jnp.float32, jnp.bfloat16),
+                         placement=("column", "row"))
+  def test_state_is_stored_and_converts_at_the_edges(self, dtype, placement):
+    """The state holds whole 128-lane rows of words (bf16 packed); its
+    logical tables and optimizer state move to the xla backend and back
+    bit for bit (what checkpoints do)."""
+    coll = _collection(BACKEND, dtype, 48, placement, pe.Adam(0.01))
+    # Jitted, as a step runs: the interpreter's simulated devices meet at
+    # barriers inside one program.
+    state = jax.jit(lambda s, b: _step(coll, s, b)[0])(
+        coll.init(jax.random.key(1)), _batch(3))
+    stack = coll.plan.stacks[0]
+    table = state.stacks[stack.name].table
+    ranks = stack.ranks if placement == "column" else 1
+    self.assertEqual(table.shape, (stack.total_rows, 128 * ranks))
+    self.assertEqual(table.dtype, jnp.uint32 if dtype == jnp.bfloat16
+                     else jnp.float32)
+    tables, opts = coll.table_arrays(state), coll.optimizer_arrays(state)
+    self.assertEqual(tables["items"].shape, (300, 48))
+    other = _collection("xla", dtype, 48, placement, pe.Adam(0.01))
+    moved = other.state_from_arrays(tables, opts)
+    back = coll.state_from_arrays(other.table_arrays(moved),
+                                  other.optimizer_arrays(moved))
+    for got, want in zip(jax.tree.leaves(back), jax.tree.leaves(state)):
+      test_util.assert_bits_equal(self, got, want)
 
 
 MOSAIC_KERNELS = re.compile(r'kernel_name = "(pallas_emb_\w+_tpu)"')
@@ -250,9 +309,10 @@ class TpuLoweringTest(parameterized.TestCase):
     batch = jax.eval_shape(lambda: _batch(0, batch=64))
     text = jax.jit(lambda s, b: _step(coll, s, b)).trace(
         state, batch).lower(lowering_platforms=("tpu",)).as_text()
+    # The sequence gather is XLA's (`lookup.GATHER_METHOD`).
     self.assertEqual(
         set(MOSAIC_KERNELS.findall(text)),
-        {"pallas_emb_gather_tpu", "pallas_emb_pool_tpu",
+        {"pallas_emb_grad_sums_tpu", "pallas_emb_pool_tpu",
          opt.kernel_name + "_tpu"})
     self.assertNotIn("triton", text)
 
@@ -266,7 +326,7 @@ class TpuLoweringTest(parameterized.TestCase):
         state, batch).lower(lowering_platforms=("tpu",)).as_text()
     kernels_in = set(MOSAIC_KERNELS.findall(text))
     self.assertIn("pallas_emb_adam_tpu", kernels_in)
-    self.assertIn("pallas_emb_gather_tpu", kernels_in)
+    self.assertIn("pallas_emb_pool_tpu", kernels_in)
     self.assertNotIn("triton", text)
 
 
@@ -279,7 +339,7 @@ class BackendResolutionTest(parameterized.TestCase):
 
   @parameterized.parameters(
       ("cpu", None, "xla"), ("cpu", "auto", "xla"), ("gpu", None, "triton"),
-      ("cuda", "pallas", "triton"), ("tpu", None, "xla"),
+      ("cuda", "pallas", "triton"), ("tpu", None, "mosaic_tpu"),
       ("tpu", "pallas", "mosaic_tpu"), ("tpu", "mosaic_tpu", "mosaic_tpu"),
       ("cpu", "mosaic_tpu", "mosaic_tpu"), ("cpu", "triton", "triton"),
       ("tpu", "interpret", "interpret"), ("gpu", "xla", "xla"))

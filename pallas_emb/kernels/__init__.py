@@ -94,8 +94,12 @@ def _interpret(backend: str):
   return backend in ("interpret", "mosaic_tpu_interpret")
 
 
-def gather_rows(table, ids, *, backend: str, config=None):
-  """`[N, S]` rows of a `[V, S]` shard for `[N]` ids (wrapped, clamped)."""
+def gather_rows(table, ids, *, backend: str, config=None, width=None):
+  """`[N, S]` rows of a `[V, S]` shard for `[N]` ids (wrapped, clamped).
+
+  `width`: S, for a table in the Mosaic backend's stored layout
+  (`mosaic_tpu/stored.py`, whose rows are padded); None: `table.shape[1]`.
+  """
   impl = _implementation(backend, table)
   if impl == "triton":
     from pallas_emb.kernels.triton import gather  # pylint: disable=g-import-not-at-top
@@ -103,7 +107,8 @@ def gather_rows(table, ids, *, backend: str, config=None):
                               interpret=_interpret(backend))
   if impl == "mosaic_tpu":
     from pallas_emb.kernels.mosaic_tpu import lookup  # pylint: disable=g-import-not-at-top
-    return lookup.gather_rows(table, ids, interpret=_interpret(backend))
+    return lookup.gather_rows(table, ids, width=width,
+                              interpret=_interpret(backend))
   return xla.gather_rows(table, ids)
 
 
@@ -123,6 +128,19 @@ def segment_sum_rows(grads, segment_ids, num_segments: int, *, round_dtype,
                                       round_dtype=round_dtype,
                                       interpret=_interpret(backend),
                                       config=config)
+
+
+def grad_sums(rows, entry_rows, slots, weights, num_slots: int, live_slots,
+              *, backend: str):
+  """f32 `[num_slots, G]` sums of `weights[e] * rows[entry_rows[e]]` per
+  slot, in entry order (the Mosaic backend's segment sum from a bag's
+  gradient straight to its entries' slots; `mosaic_tpu/segment_sum.py`)."""
+  if _implementation(backend) != "mosaic_tpu":
+    raise ValueError(f"pallas_emb grad_sums runs on the Mosaic backend, not "
+                     f"{backend!r}.")
+  from pallas_emb.kernels.mosaic_tpu import segment_sum  # pylint: disable=g-import-not-at-top
+  return segment_sum.grad_sums(rows, entry_rows, slots, weights, num_slots,
+                               live_slots, interpret=_interpret(backend))
 
 
 def sparse_update_rows(rule, table, row_state, element_state,
@@ -150,12 +168,13 @@ def sparse_update_rows(rule, table, row_state, element_state,
 
 
 def pool_rows(table, rows, weights, bag_starts, *, max_len: int,
-              backend: str, config=None, out_dtype=None):
+              backend: str, config=None, out_dtype=None, width=None):
   """`[M, S]` f32-accumulated weighted sums of the rows of CSR bags.
 
   Bag m holds the entries `[bag_starts[m], bag_starts[m + 1])` (at most
   `max_len`); the result is rounded once to `out_dtype` (default: the
-  table dtype; f32 keeps partial sums unrounded).
+  table dtype; f32 keeps partial sums unrounded). `width`: as
+  `gather_rows`'.
   """
   impl = _implementation(backend, table)
   if impl == "triton":
@@ -166,7 +185,8 @@ def pool_rows(table, rows, weights, bag_starts, *, max_len: int,
   if impl == "mosaic_tpu":
     from pallas_emb.kernels.mosaic_tpu import lookup  # pylint: disable=g-import-not-at-top
     return lookup.pool_rows(table, rows, weights, bag_starts,
-                            max_len=max_len, interpret=_interpret(backend),
+                            max_len=max_len, width=width,
+                            interpret=_interpret(backend),
                             out_dtype=out_dtype)
   return xla.pool_rows(table, rows, weights, bag_starts,
                        max_len=max_len, out_dtype=out_dtype)

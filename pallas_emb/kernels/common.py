@@ -245,8 +245,10 @@ BF16_BITS = jnp.uint16
 
 
 def logical_dtype(dtype):
-  """The dtype a table of `dtype` holds: bf16 for its uint16 bits."""
-  return jnp.dtype(jnp.bfloat16 if jnp.dtype(dtype) == BF16_BITS else dtype)
+  """The dtype a table of `dtype` holds: bf16 for its uint16 bits, and for
+  the uint32 words of two bf16 columns (the Mosaic backend's storage)."""
+  return jnp.dtype(jnp.bfloat16 if jnp.dtype(dtype) in (BF16_BITS, jnp.uint32)
+                   else dtype)
 
 
 def logical_rows(rows: jax.Array) -> jax.Array:
@@ -308,11 +310,17 @@ def narrow(x: jax.Array, dtype) -> jax.Array:
   """
   if jnp.dtype(dtype) != jnp.bfloat16 or x.dtype != jnp.float32:
     return x.astype(dtype)
+  return jax.lax.bitcast_convert_type(bf16_bits(x).astype(jnp.uint16),
+                                      jnp.bfloat16)
+
+
+def bf16_bits(x: jax.Array) -> jax.Array:
+  """uint32: the bits of `narrow(x, bf16)` in the low half (32-bit integer
+  ops only, as a Mosaic kernel computes them)."""
   sign = (jax.lax.bitcast_convert_type(x, jnp.uint32) >> 16) & jnp.uint32(
       0x8000)
-  upper = jnp.where(jnp.isnan(x), sign | jnp.uint32(0x7FC0),
-                    _round_bf16_bits(x) >> 16)
-  return jax.lax.bitcast_convert_type(upper.astype(jnp.uint16), jnp.bfloat16)
+  return jnp.where(jnp.isnan(x), sign | jnp.uint32(0x7FC0),
+                   _round_bf16_bits(x) >> 16)
 
 
 def _round_bf16_bits(x: jax.Array) -> jax.Array:

@@ -1,9 +1,16 @@
-"""Row DMAs between a table in HBM and a VMEM tile, the Mosaic kernels'
-one way of touching a table.
+"""Row DMAs between a stored table in HBM and VMEM tiles: the Mosaic
+kernels' one way of touching a table.
 
-`copy_rows` starts one async copy per row whose id is >= 0 and then waits
-for all of them on one semaphore (every copy has the same size, so the
-waits may come in any order). A row whose id is < 0 is not copied.
+Every row of a stored table (`stored.py`) is whole 32-bit tile rows, so a
+row is one aligned DMA. What a v5e measured (`bench/tpu_parts.py`): the
+DMA engine takes a one-row copy about every 14 ns when the copies are
+started by an unrolled loop and waited for all at once, twice that when
+each start is a dynamic loop trip and each copy is waited for on its own;
+XLA's own gather moves a row in about 12 ns. A kernel therefore starts a
+tile's copies branch-free (a skipped row copies nothing only where it must:
+a write), waits once for the whole tile (DMA semaphores count bytes), and
+double-buffers tiles across grid steps so one tile's copies are in flight
+while the previous one is computed on.
 """
 
 from __future__ import annotations
@@ -14,31 +21,31 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-# One `[block, width]` tile of f32 stays under this many bytes, so the
-# tiles of a kernel (double-buffered inputs and outputs, the DMA scratch)
-# fit the 16 MiB of VMEM a kernel may use by default on every TPU.
-TILE_BYTES = 1 << 20
-# Row tiles are a multiple of the sublanes of the narrowest dtype (bf16
-# packs 16 rows into a (16, 128) tile).
+# Row copies started per loop trip (the loop over a tile is unrolled by it).
+UNROLL = 8
+# Row tiles are a multiple of this (a whole unrolled trip, and of the
+# (16, 128) tile of a bf16 tile in VMEM).
 ROW_ALIGN = 16
-MAX_BLOCK_ROWS = 512
-# The pooled lookup's tile of entry rows (f32 bytes) may not pass this.
-MAX_POOL_TILE_BYTES = 4 << 20
+# A kernel's VMEM: what it asks Mosaic for (v5e and v6e have 128 MiB, v4
+# 32 MiB of which a kernel gets 16 by default) and what its tiles may take.
+VMEM_LIMIT = 64 << 20
+TILE_BUDGET = 16 << 20
 
 
-def block_rows(num_rows: int, width: int, *, copies: int = 1) -> int:
+def block_rows(num_rows: int, row_bytes: int, *, copies: int = 1,
+               most: int = 512) -> int:
   """Rows of a tile: a power of two, a multiple of `ROW_ALIGN`, at most
-  `MAX_BLOCK_ROWS`, `copies` f32 tiles of it under `TILE_BYTES`, and no
-  larger than `num_rows` needs."""
-  fits = max(ROW_ALIGN, TILE_BYTES // (4 * width * copies))
+  `most`, `copies` tiles of it within `TILE_BUDGET / 4`, and no larger than
+  `num_rows` needs."""
+  fits = max(ROW_ALIGN, TILE_BUDGET // 4 // (row_bytes * copies))
   rows = ROW_ALIGN
-  while rows * 2 <= min(fits, MAX_BLOCK_ROWS) and rows < num_rows:
+  while rows * 2 <= min(fits, most) and rows < num_rows:
     rows *= 2
   return rows
 
 
 def padded(x: jax.Array, size: int, fill) -> jax.Array:
-  """`x` (1-D or 2-D, along axis 0) padded with `fill` to `size` rows."""
+  """`x` padded along axis 0 with `fill` to `size` rows."""
   extra = size - x.shape[0]
   if extra == 0:
     return x
@@ -51,42 +58,64 @@ def interpret_params(interpret: bool):
   return pltpu.InterpretParams() if interpret else False
 
 
+def compiler_params(*semantics: str):
+  return pltpu.CompilerParams(dimension_semantics=semantics,
+                              vmem_limit_bytes=VMEM_LIMIT)
+
+
 def smem_blocks(ids: jax.Array, rows: int) -> jax.Array:
-  """`[B * rows]` ids as `[B, 1, rows]`, the layout `smem_block` reads
-  (a 2-D block equal to the array's last two dimensions needs no tiling)."""
+  """`[B * rows]` ids as `[B, 1, rows]`, the layout `smem_block` reads."""
   return ids.reshape(-1, 1, rows)
 
 
-def smem_block(rows: int) -> pl.BlockSpec:
-  """Program i's `[1, rows]` ids of `smem_blocks(ids, rows)`, in SMEM."""
-  return pl.BlockSpec((None, 1, rows), lambda i: (i, 0, 0),
-                      memory_space=pltpu.SMEM)
+def smem_block(rows: int, ahead: int = 0, num_blocks: int | None = None
+               ) -> pl.BlockSpec:
+  """Program i's `[1, rows]` ids of `smem_blocks(ids, rows)`, in SMEM; with
+  `ahead=1`, program i + 1's (the last program's own at the end)."""
+  if ahead:
+    last = num_blocks - 1
+    index = lambda i, *_: (jnp.minimum(i + ahead, last), 0, 0)
+  else:
+    index = lambda i, *_: (i, 0, 0)
+  return pl.BlockSpec((None, 1, rows), index, memory_space=pltpu.SMEM)
 
 
-def copy_rows(ids_ref, src, dst, sem, *, num: int, src_is_table: bool):
-  """Copies rows between a table (HBM) and a tile (VMEM), then waits.
-
-  `ids_ref[0, r]` (SMEM, `smem_block`) is the table row of tile row `r`,
-  for `r < num`; ids < 0 are skipped. `src_is_table`: table -> tile, else
-  tile -> table.
-  """
-  def descriptor(r):
-    row = ids_ref[0, r]
-    table_at = pl.ds(jnp.maximum(row, 0), 1)
-    tile_at = pl.ds(r, 1)
-    if src_is_table:
-      return row, pltpu.make_async_copy(src.at[table_at], dst.at[tile_at], sem)
-    return row, pltpu.make_async_copy(src.at[tile_at], dst.at[table_at], sem)
-
-  def start(r, carry):
-    row, copy = descriptor(r)
-    pl.when(row >= 0)(copy.start)
+def start_reads(ids_ref, table, tile, sem, *, num: int):
+  """Starts the copies `table[ids_ref[0, r]] -> tile[r]`, r < num (ids
+  must be rows of the table: a padding row reads row 0)."""
+  def body(j, carry):
+    for u in range(UNROLL):
+      r = j * UNROLL + u
+      pltpu.make_async_copy(table.at[pl.ds(ids_ref[0, r], 1)],
+                            tile.at[pl.ds(r, 1)], sem).start()
     return carry
+  lax.fori_loop(0, num // UNROLL, body, 0)
 
-  def wait(r, carry):
-    row, copy = descriptor(r)
-    pl.when(row >= 0)(copy.wait)
-    return carry
 
-  lax.fori_loop(0, num, start, 0)
-  lax.fori_loop(0, num, wait, 0)
+def wait_tile(table, tile, sem):
+  """Waits for every row copy into (or out of) `tile` on `sem`: one wait
+  for the whole tile's bytes."""
+  pltpu.make_async_copy(table.at[pl.ds(0, tile.shape[0])], tile, sem).wait()
+
+
+def start_writes(ids_ref, tile, table, sem, *, num: int) -> jax.Array:
+  """Starts the copies `tile[r] -> table[ids_ref[0, r]]` for r < num whose
+  id is >= 0; returns how many were started (int32)."""
+  def body(j, started):
+    for u in range(UNROLL):
+      r = j * UNROLL + u
+      row = ids_ref[0, r]
+      copy = pltpu.make_async_copy(tile.at[pl.ds(r, 1)],
+                                   table.at[pl.ds(jnp.maximum(row, 0), 1)],
+                                   sem)
+      pl.when(row >= 0)(copy.start)
+      started = started + (row >= 0).astype(jnp.int32)
+    return started
+  return lax.fori_loop(0, num // UNROLL, body, jnp.int32(0))
+
+
+def wait_rows(tile, table, sem, count):
+  """Waits for `count` one-row copies out of `tile` on `sem`."""
+  one = pltpu.make_async_copy(tile.at[pl.ds(0, 1)], table.at[pl.ds(0, 1)],
+                              sem)
+  lax.fori_loop(0, count, lambda _, c: (one.wait(), c)[1], 0)

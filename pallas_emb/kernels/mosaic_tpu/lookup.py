@@ -1,19 +1,25 @@
-"""Mosaic TPU kernels: the sequence gather and the pooled lookup.
+"""The Mosaic backend's lookups: the sequence gather and the pooled lookup.
 
-gather: `out[n] = table[wrap_and_clamp(ids[n])]`. Program i copies the rows
-of ids `i * R ... i * R + R - 1` straight from the table (HBM) into its
-`[R, S]` output tile by DMA.
+Both read a stored table (`stored.py`: rows of 32-bit words, whole
+128-lane rows) and return logical rows; both also take a logical
+`[V, width]` table (the single-table API, the row placement's exchanged
+rows), which they convert first.
 
-pool: per bag, `round(sum_k weights[k] * f32(table[rows[k]]))`, accumulated
-in f32 in entry order with every product rounded on its own (as
+gather: `table[wrap_and_clamp(ids)]`. By default XLA's gather of whole
+stored rows, which a v5e ran faster than row DMAs (`GATHER_METHOD`,
+`bench/tpu_parts.py`); `method="dma"` is the kernel: program i DMAs its
+`R` rows into a VMEM tile while program i - 1's tile is written out
+(double-buffered across grid steps).
+
+pool: per bag, `round(sum_k weights[k] * f32(table[rows[k]]))`, summed in
+f32 in entry order with every product rounded on its own (as
 `reference.pool_rows`, bit for bit). The CSR bags are laid out densely
-first (`[M, max_len]` entries, padding entries marked -1): program i copies
-the rows of its `R` bags' entries into a `[max_len * R, S]` tile, entry k of
-every bag in rows `k * R ... k * R + R - 1`, and sums the `max_len` `[R, S]`
-slices. Padding entries copy nothing: their rows are zeros and their
-weights 0, so they add +0.0, as the twin's masked lanes do. Bags so long
-that 16 bags' entry rows pass `dma.MAX_POOL_TILE_BYTES` are pooled by the
-xla backend's gathers instead.
+first (`[M, max_len]` entries): program i DMAs the rows of its `R` bags'
+entries into a `[max_len * R, P]` tile (entry k of every bag in rows
+`k * R ... k * R + R - 1`) while program i - 1 sums its own, then adds the
+`max_len` `[R, P]` slices. A padding entry reads row 0 and is masked to
++0.0, as the twin's masked lanes add. Bags too long for a tile in VMEM are
+pooled by XLA's gathers (the same sums, in the same order).
 """
 
 from __future__ import annotations
@@ -27,62 +33,123 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_emb.kernels import common
-from pallas_emb.kernels import xla
+from pallas_emb.kernels import reference
 from pallas_emb.kernels.mosaic_tpu import dma
+from pallas_emb.kernels.mosaic_tpu import stored
+
+# The sequence gather: "xla" (XLA's gather of stored rows) or "dma" (the
+# kernel). On a v5e, 16,384 / 327,680 rows of a 1M-row table: xla 0.72 /
+# 4.5 ms, dma 0.81 / 5.3 ms (`python -m bench.tpu_parts`).
+GATHER_METHOD = "xla"
 
 
-def _gather_kernel(ids_ref, table_ref, out_ref, sem, *, block):
-  dma.copy_rows(ids_ref, table_ref, out_ref, sem.at[0], num=block,
-                src_is_table=True)
+def _as_stored(table, width):
+  """`(stored table, width, logical dtype)` of a stored or logical table."""
+  if width is None:
+    width = table.shape[1]
+  if stored.is_stored(table, width):
+    dtype = jnp.bfloat16 if table.dtype == stored.WORD else table.dtype
+    return table, width, dtype
+  return stored.to_stored(table), width, table.dtype
 
 
-def gather_rows(table: jax.Array, ids: jax.Array, *,
+def gather_rows(table: jax.Array, ids: jax.Array, *, width: int | None = None,
+                method: str | None = None,
                 interpret: bool = False) -> jax.Array:
-  """`table[wrap_and_clamp(ids)]` for a `[V, S]` table and `[N]` int32 ids."""
-  vocab_rows, width = table.shape
+  """`[N, width]` logical rows `table[wrap_and_clamp(ids)]` of a stored (or
+  logical) `[V, *]` table, for `[N]` int32 ids."""
+  table, width, dtype = _as_stored(table, width)
+  vocab_rows = table.shape[0]
   (num_ids,) = ids.shape
   if num_ids == 0:
-    return jnp.zeros((0, width), table.dtype)
-  block = dma.block_rows(num_ids, width)
+    return jnp.zeros((0, width), dtype)
+  ids = common.wrap_and_clamp(ids.astype(jnp.int32), vocab_rows)
+  if (method or GATHER_METHOD) == "xla":
+    rows = jnp.take(table, ids, axis=0)
+  else:
+    rows = _dma_gather(table, ids, interpret)
+  return stored.from_stored(rows, width, dtype)
+
+
+def _gather_kernel(ids_ref, next_ref, table, out_ref, tile, sem, *, block):
+  i, n = pl.program_id(0), pl.num_programs(0)
+  slot = i % 2
+
+  @pl.when(i == 0)
+  def _():
+    dma.start_reads(ids_ref, table, tile.at[0], sem.at[0], num=block)
+
+  @pl.when(i + 1 < n)
+  def _():
+    dma.start_reads(next_ref, table, tile.at[1 - slot], sem.at[1 - slot],
+                    num=block)
+
+  dma.wait_tile(table, tile.at[slot], sem.at[slot])
+  out_ref[...] = tile[slot]
+
+
+def _dma_gather(table, ids, interpret):
+  """`table[ids]` (ids in range) by row DMAs."""
+  num_ids = ids.shape[0]
+  width = table.shape[1]
+  block = dma.block_rows(num_ids, width * 4, copies=4)
   num_blocks = pl.cdiv(num_ids, block)
-  ids = dma.padded(common.wrap_and_clamp(ids.astype(jnp.int32), vocab_rows),
-                   num_blocks * block, 0)
+  ids = dma.smem_blocks(dma.padded(ids, num_blocks * block, 0), block)
   out = pl.pallas_call(
       functools.partial(_gather_kernel, block=block),
       out_shape=jax.ShapeDtypeStruct((num_blocks * block, width),
                                      table.dtype),
       grid=(num_blocks,),
-      in_specs=[dma.smem_block(block), pl.BlockSpec(memory_space=pl.ANY)],
+      in_specs=[dma.smem_block(block),
+                dma.smem_block(block, ahead=1, num_blocks=num_blocks),
+                pl.BlockSpec(memory_space=pl.ANY)],
       out_specs=pl.BlockSpec((block, width), lambda i: (i, 0)),
-      scratch_shapes=[pltpu.SemaphoreType.DMA((1,))],
-      compiler_params=pltpu.CompilerParams(
-          dimension_semantics=("parallel",)),
+      scratch_shapes=[pltpu.VMEM((2, block, width), table.dtype),
+                      pltpu.SemaphoreType.DMA((2,))],
+      compiler_params=dma.compiler_params("arbitrary"),
       interpret=dma.interpret_params(interpret),
       name="pallas_emb_gather_tpu",
-  )(dma.smem_blocks(ids, block), table)
+  )(ids, ids, table)
   return out[:num_ids]
 
 
-def _pool_kernel(rows_ref, weights_ref, table_ref, out_ref, tile_ref, sem,
-                 *, block, max_len):
-  tile_ref[...] = jnp.zeros(tile_ref.shape, tile_ref.dtype)
-  dma.copy_rows(rows_ref, table_ref, tile_ref, sem.at[0],
-                num=block * max_len, src_is_table=True)
+def _pool_kernel(rows_ref, next_ref, valid_ref, weights_ref, table, out_ref,
+                 tile, sem, *, block, max_len, words):
+  i, n = pl.program_id(0), pl.num_programs(0)
+  slot = i % 2
+  entries = block * max_len
 
-  def add_entry(k, acc):
+  @pl.when(i == 0)
+  def _():
+    dma.start_reads(rows_ref, table, tile.at[0], sem.at[0], num=entries)
+
+  @pl.when(i + 1 < n)
+  def _():
+    dma.start_reads(next_ref, table, tile.at[1 - slot], sem.at[1 - slot],
+                    num=entries)
+
+  dma.wait_tile(table, tile.at[slot], sem.at[slot])
+  here = tile.at[slot]
+
+  def add_entry(k, sums):
     at = pl.ds(pl.multiple_of(k * block, block), block)
-    values = tile_ref[at, :].astype(jnp.float32)
-    return acc + common.unfused_product(weights_ref[at, :], values)
+    values = here[at, :]
+    parts = stored.unpack(values) if words else (values,)
+    weight, ok = weights_ref[at, :], valid_ref[at, :] > 0
+    return tuple(
+        s + jnp.where(ok, common.unfused_product(weight, v), 0.0)
+        for s, v in zip(sums, parts))
 
-  acc = lax.fori_loop(0, max_len, add_entry,
-                      jnp.zeros(out_ref.shape, jnp.float32))
-  out_ref[...] = acc.astype(out_ref.dtype)
+  zeros = jnp.zeros((block, table.shape[1]), jnp.float32)
+  sums = lax.fori_loop(0, max_len, add_entry,
+                       (zeros, zeros) if words else (zeros,))
+  out_ref[...] = jnp.concatenate(sums, axis=1) if words else sums[0]
 
 
 def dense_entries(rows, weights, bag_starts, *, max_len: int, block: int):
-  """The CSR bags as `[num_blocks * max_len * block]` entry rows (-1 for
-  padding) and f32 weights (0 for padding), ordered block, entry position,
-  bag: the order a pool program's tile holds them in."""
+  """The CSR bags as `[num_blocks * max_len * block]` entries: their rows
+  (0 for padding), whether they are entries (1) or padding (0), and their
+  f32 weights, ordered block, entry position, bag (a pool tile's order)."""
   num_bags = bag_starts.shape[0] - 1
   num_blocks = pl.cdiv(num_bags, block)
   starts = dma.padded(bag_starts[:-1], num_blocks * block, 0)
@@ -90,50 +157,63 @@ def dense_entries(rows, weights, bag_starts, *, max_len: int, block: int):
   entry = starts[:, None] + jnp.arange(max_len, dtype=jnp.int32)[None, :]
   ok = entry < ends[:, None]
   entry = jnp.where(ok, entry, 0)
-  dense_rows = jnp.where(ok, jnp.take(rows, entry, mode="clip"), -1)
+  dense_rows = jnp.where(ok, jnp.take(rows, entry, mode="clip"), 0)
   dense_weights = jnp.where(
       ok, jnp.take(weights.astype(jnp.float32), entry, mode="clip"), 0.0)
 
   def blocked(x):  # [bags, max_len] -> [blocks, max_len, block], flat
     return x.reshape(num_blocks, block, max_len).transpose(0, 2, 1).reshape(-1)
 
-  return blocked(dense_rows), blocked(dense_weights)
+  return (blocked(dense_rows), blocked(ok.astype(jnp.int32)),
+          blocked(dense_weights))
 
 
 def pool_rows(table: jax.Array, rows: jax.Array, weights: jax.Array,
               bag_starts: jax.Array, *, max_len: int,
-              interpret: bool = False, out_dtype=None) -> jax.Array:
-  """`[M, S]` weighted row sums of `[V, S]` for CSR bags (as
-  `reference.pool_rows`; see the module doc)."""
-  out_dtype = out_dtype or table.dtype
-  vocab_rows, width = table.shape
+              width: int | None = None, interpret: bool = False,
+              out_dtype=None) -> jax.Array:
+  """`[M, width]` weighted row sums of a stored (or logical) table for CSR
+  bags (as `reference.pool_rows`; see the module doc)."""
+  table, width, dtype = _as_stored(table, width)
+  out_dtype = out_dtype or dtype
+  vocab_rows, words_ = table.shape
   num_bags = bag_starts.shape[0] - 1
   if num_bags == 0 or max_len == 0 or rows.shape[0] == 0:
     return jnp.zeros((num_bags, width), out_dtype)
-  block = dma.block_rows(num_bags, width, copies=max_len)
-  if block * max_len * width * 4 > dma.MAX_POOL_TILE_BYTES:
-    # Bags too long for even the smallest tile of entry rows in VMEM: XLA's
-    # gathers (the same sums in the same order).
-    return xla.pool_rows(table, rows, weights, bag_starts, max_len=max_len,
-                         out_dtype=out_dtype)
-  num_blocks = pl.cdiv(num_bags, block)
+  row_bytes = 4 * words_
+  block = dma.block_rows(num_bags, row_bytes, copies=2 * max_len, most=256)
   entries = block * max_len
   rows = common.wrap_and_clamp(rows.astype(jnp.int32), vocab_rows)
-  dense_rows, dense_weights = dense_entries(rows, weights, bag_starts,
-                                            max_len=max_len, block=block)
-  out = pl.pallas_call(
-      functools.partial(_pool_kernel, block=block, max_len=max_len),
-      out_shape=jax.ShapeDtypeStruct((num_blocks * block, width), out_dtype),
+  if 2 * entries * row_bytes > dma.TILE_BUDGET:
+    # Bags too long for even the smallest tile: XLA's gathers of the
+    # entries' rows (the same sums in the same order).
+    values = lambda entry: stored.from_stored(jnp.take(
+        table, jnp.take(rows, entry, mode="clip"), axis=0), width,
+                                                dtype).astype(jnp.float32)
+    return reference._pool_entries(  # pylint: disable=protected-access
+        values, weights, bag_starts, width, max_len).astype(out_dtype)
+  num_blocks = pl.cdiv(num_bags, block)
+  dense_rows, valid, dense_weights = dense_entries(
+      rows, weights, bag_starts, max_len=max_len, block=block)
+  packed = table.dtype == stored.WORD
+  sums = pl.pallas_call(
+      functools.partial(_pool_kernel, block=block, max_len=max_len,
+                        words=packed),
+      out_shape=jax.ShapeDtypeStruct(
+          (num_blocks * block, words_ * (2 if packed else 1)), jnp.float32),
       grid=(num_blocks,),
       in_specs=[dma.smem_block(entries),
+                dma.smem_block(entries, ahead=1, num_blocks=num_blocks),
+                pl.BlockSpec((entries, 1), lambda i: (i, 0)),
                 pl.BlockSpec((entries, 1), lambda i: (i, 0)),
                 pl.BlockSpec(memory_space=pl.ANY)],
-      out_specs=pl.BlockSpec((block, width), lambda i: (i, 0)),
-      scratch_shapes=[pltpu.VMEM((entries, width), table.dtype),
-                      pltpu.SemaphoreType.DMA((1,))],
-      compiler_params=pltpu.CompilerParams(
-          dimension_semantics=("parallel",)),
+      out_specs=pl.BlockSpec(
+          (block, words_ * (2 if packed else 1)), lambda i: (i, 0)),
+      scratch_shapes=[pltpu.VMEM((2, entries, words_), table.dtype),
+                      pltpu.SemaphoreType.DMA((2,))],
+      compiler_params=dma.compiler_params("arbitrary"),
       interpret=dma.interpret_params(interpret),
       name="pallas_emb_pool_tpu",
-  )(dma.smem_blocks(dense_rows, entries), dense_weights[:, None], table)
-  return out[:num_bags]
+  )(dma.smem_blocks(dense_rows, entries), dma.smem_blocks(dense_rows, entries),
+    valid[:, None], dense_weights[:, None], table)
+  return stored.from_grads(sums[:num_bags], width, dtype).astype(out_dtype)

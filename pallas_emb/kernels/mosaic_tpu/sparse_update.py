@@ -2,15 +2,18 @@
 
 Every optimizer runs through this one kernel, driven by its update rule
 (`triton.sparse_update.UpdateRule`). The row-wise part (one value per row:
-Adagrad's accumulator, the last step of a lazy decay) is computed in jnp on
-the `[U]` touched rows and scattered back: a few bytes per row. The kernel
-does the heavy part in place: program i reads the table rows (and the
-element-wise state rows, e.g. Adam's moments) of its `R` unique slots by
-DMA into VMEM tiles, runs `rule.column_update` on the `[R, S]` tiles and
-writes the rows back by DMA. The table and the element-wise state are
-aliased to the outputs and stay in HBM: unique tokens are unique, so every
-touched row is read and written by one program, no other row is touched,
-and the update costs O(U * S), not O(V * S).
+Adagrad's accumulator, the last step of a lazy decay) is computed by XLA
+on the touched slots, a chunk of slots at a time up to the last used slot
+of the unique buffer (which is sized for a slot per id), and scattered
+back: a few bytes per row. The kernel does the heavy part in place, on a
+stored table (`stored.py`) and the element-wise state in the gradients'
+layout: program i reads the rows of its `R` unique slots by DMA into VMEM
+tiles while program i - 1's rows are written back (double-buffered), runs
+`rule.column_update` on whole `[R, P]` tiles (a bf16 table's words
+unpacked into two f32 halves and packed again) and DMAs the rows back.
+Unique tokens are unique, so every row is read and written once; the
+programs past the last used slot do nothing, and the update costs
+O(U * S), never O(V * S).
 """
 
 from __future__ import annotations
@@ -25,39 +28,132 @@ from jax.experimental.pallas import tpu as pltpu
 
 from pallas_emb.kernels import common
 from pallas_emb.kernels import reference
+from pallas_emb.kernels import xla
 from pallas_emb.kernels.mosaic_tpu import dma
+from pallas_emb.kernels.mosaic_tpu import stored
+
+# Slots per XLA chunk of the row-wise part.
+ROW_CHUNK = 8192
 
 
-def _kernel(*refs, rule, num_coeffs, num_scalars, block):
-  num_elements = len(rule.element_slots)
-  dest_ref, grad_ref, coeffs_ref, scalars_ref, table_ref = refs[:5]
-  element_refs = refs[5:5 + num_elements]
-  table_out = refs[5 + num_elements]
-  element_outs = refs[6 + num_elements:6 + 2 * num_elements]
-  table_tile = refs[6 + 2 * num_elements]
-  element_tiles = refs[7 + 2 * num_elements:7 + 3 * num_elements]
-  sem = refs[-1].at[0]
+def _kernel(live_ref,  # scalar prefetch: [1] blocks with a used slot
+            reads_ref, reads_next_ref, dest_ref,  # SMEM [1, R] blocks
+            grad_ref, coeffs_ref,  # VMEM [R, G], [R, c] blocks
+            scalars_ref,  # SMEM [k]
+            *refs, rule, num_coeffs, num_scalars, block, words):
+  num_states = 1 + len(rule.element_slots)
+  states = refs[:num_states]  # HBM: the table, element-wise states
+  outs = refs[num_states:2 * num_states]  # the same buffers (aliased)
+  tiles = refs[2 * num_states:3 * num_states]  # VMEM [2, R, *] each
+  read_sem, write_sem, started = refs[3 * num_states:]
+  i, live = pl.program_id(0), live_ref[0]
+  slot = i % 2
 
-  read = functools.partial(dma.copy_rows, dest_ref, num=block,
-                           src_is_table=True)
-  write = functools.partial(dma.copy_rows, dest_ref, num=block,
-                            src_is_table=False)
-  read(table_ref, table_tile, sem)
-  for ref, tile in zip(element_refs, element_tiles):
-    read(ref, tile, sem)
-  coeffs = tuple(coeffs_ref[:, j:j + 1] for j in range(num_coeffs))
-  scalars = tuple(scalars_ref[i] for i in range(num_scalars))
-  new_values, new_element = rule.column_update(
-      coeffs, table_tile[...].astype(jnp.float32), grad_ref[...],
-      {name: tile[...] for name, tile in zip(rule.element_slots,
-                                             element_tiles)},
-      scalars, table_tile.dtype)
-  table_tile[...] = new_values.astype(table_tile.dtype)
-  write(table_tile, table_out, sem)
-  for name, tile, out in zip(rule.element_slots, element_tiles,
-                             element_outs):
-    tile[...] = new_element[name].astype(tile.dtype)
-    write(tile, out, sem)
+  def start_reads(ids_ref, into):
+    for state, tile in zip(states, tiles):
+      dma.start_reads(ids_ref, state, tile.at[into], read_sem.at[into],
+                      num=block)
+
+  def wait_writes(of):
+    for out, tile in zip(outs, tiles):
+      dma.wait_rows(tile.at[of], out, write_sem.at[of], started[of])
+
+  @pl.when(i < live)
+  def _():
+    @pl.when(i == 0)
+    def _():
+      start_reads(reads_ref, 0)
+
+    @pl.when(i + 1 < live)
+    def _():
+      @pl.when(i > 0)
+      def _():
+        wait_writes(1 - slot)  # that tile's rows are written: refill it
+      start_reads(reads_next_ref, 1 - slot)
+
+    for state, tile in zip(states, tiles):
+      dma.wait_tile(state, tile.at[slot], read_sem.at[slot])
+
+    coeffs = tuple(coeffs_ref[:, j:j + 1] for j in range(num_coeffs))
+    scalars = tuple(scalars_ref[j] for j in range(num_scalars))
+    table_tile, element_tiles = tiles[0].at[slot], [t.at[slot]
+                                                    for t in tiles[1:]]
+    grad = grad_ref[...]
+    element = {n: t[...] for n, t in zip(rule.element_slots, element_tiles)}
+    if words:  # bf16 words: the low and the high halves on their own
+      half = table_tile.shape[1]
+      parts = []
+      for at, values in zip((slice(0, half), slice(half, 2 * half)),
+                            stored.unpack(table_tile[...])):
+        parts.append(rule.column_update(
+            coeffs, values, grad[:, at],
+            {n: e[:, at] for n, e in element.items()}, scalars,
+            jnp.bfloat16))
+      table_tile[...] = stored.pack(parts[0][0], parts[1][0])
+      new_element = {n: jnp.concatenate([parts[0][1][n], parts[1][1][n]],
+                                        axis=1) for n in element}
+    else:
+      new_values, new_element = rule.column_update(
+          coeffs, table_tile[...], grad, element, scalars, jnp.float32)
+      table_tile[...] = new_values
+    for name, tile in zip(rule.element_slots, element_tiles):
+      tile[...] = new_element[name].astype(tile.dtype)
+    count = jnp.int32(0)
+    for out, tile in zip(outs, tiles):
+      count = dma.start_writes(dest_ref, tile.at[slot], out,
+                               write_sem.at[slot], num=block)
+    started[slot] = count
+
+    @pl.when(i + 1 == live)
+    def _():
+      @pl.when(i > 0)
+      def _():
+        wait_writes(1 - slot)
+      wait_writes(slot)
+
+
+def _row_part(rule, vocab_rows, row_state, unique_tokens, row_sq, apply,
+              step, scalars, emb_width):
+  """The row-wise part of the update on the used slots (see
+  `reference.touched_row_state`): `(row_state, dest [U], coeffs [U, c])`,
+  dest -1 for a slot that is not updated. The slots are visited a chunk at
+  a time up to the last used one: the buffer holds a slot per id."""
+  num_slots = unique_tokens.shape[0]
+  tokens = common.wrap_once(unique_tokens, vocab_rows)
+  used = (tokens >= 0) & (tokens < vocab_rows)
+  extent = jnp.max(jnp.where(used, jnp.arange(1, num_slots + 1), 0),
+                   initial=0)
+  chunk = min(ROW_CHUNK, num_slots)
+  probe = reference.touched_row_state(
+      rule, vocab_rows, row_state, unique_tokens[:1], row_sq[:1], apply,
+      step, scalars, emb_width=emb_width)
+  num_coeffs = max(1, len(probe.coeffs))
+
+  def body(start, fresh, carry):
+    row_state, dest, coeffs = carry
+    take = lambda a: jax.lax.dynamic_slice_in_dim(a, start, chunk)
+    # A slot of the chunk before (the last chunk may overlap it) is left.
+    part_tokens = jnp.where(fresh, take(unique_tokens), vocab_rows)
+    part = reference.touched_row_state(
+        rule, vocab_rows, row_state, part_tokens, take(row_sq), apply,
+        step, scalars, emb_width=emb_width)
+    row_state = tuple(
+        a.at[part.dest].set(part.new[name].astype(a.dtype), mode="drop")
+        for name, a in zip(rule.row_slots, row_state))
+    here = jnp.where(part.ok, part.rows, -1).astype(jnp.int32)
+    dest = jax.lax.dynamic_update_slice_in_dim(
+        dest, jnp.where(fresh, here, take(dest)), start, 0)
+    values = (jnp.stack(part.coeffs, axis=1).astype(jnp.float32)
+              if part.coeffs else jnp.zeros((chunk, 1), jnp.float32))
+    coeffs = jax.lax.dynamic_update_slice_in_dim(
+        coeffs, jnp.where(fresh[:, None], values, take(coeffs)), start, 0)
+    return row_state, dest, coeffs
+
+  carry = (tuple(row_state), jnp.full((num_slots,), -1, jnp.int32),
+           jnp.zeros((num_slots, num_coeffs), jnp.float32))
+  carry = xla._over_used_chunks(  # pylint: disable=protected-access
+      body, num_slots, extent, carry, chunk)
+  return carry, extent, len(probe.coeffs)
 
 
 def sparse_update(rule, table: jax.Array, row_state: Sequence[jax.Array],
@@ -66,56 +162,99 @@ def sparse_update(rule, table: jax.Array, row_state: Sequence[jax.Array],
                   row_sq: jax.Array, apply, step, scalars: Sequence[Any], *,
                   emb_width: int | None = None, interpret: bool = False):
   """`rule`'s update of the rows of `unique_tokens`, in place (the
-  arguments and result of `triton.sparse_update.sparse_update`)."""
+  arguments and result of `triton.sparse_update.sparse_update`).
+
+  `table` is stored (`stored.py`; then `grad_accum` and the element-wise
+  states are in the gradients' layout) or logical `[V, S]` (converted to
+  and from the stored layout around the kernel: a table-sized copy, for
+  callers that hold logical tables).
+  """
   row_state, element_state = tuple(row_state), tuple(element_state)
   scalars = tuple(jnp.asarray(s, jnp.float32) for s in scalars)
-  row_sq = common.check_update_args(rule, table, row_state, element_state,
-                                    unique_tokens, grad_accum, row_sq,
-                                    scalars)
+  if table.dtype == jnp.bfloat16 or (
+      table.dtype == jnp.float32 and table.shape[1] % stored.LANES):
+    return _logical_update(rule, table, row_state, element_state,
+                           unique_tokens, grad_accum, row_sq, apply, step,
+                           scalars, emb_width=emb_width, interpret=interpret)
   vocab_rows, width = table.shape
+  words = table.dtype == stored.WORD
+  grad_width = grad_accum.shape[1]
+  if grad_width != width * (2 if words else 1):
+    raise ValueError(
+        f"pallas_emb mosaic sparse_update: gradient sums of {grad_width} "
+        f"columns for a stored {table.dtype}[{vocab_rows}, {width}] table; "
+        "expected them in the stored layout (stored.to_grads).")
   (num_unique,) = unique_tokens.shape
   if num_unique == 0:
     return table, row_state, element_state
-  part = reference.touched_row_state(rule, vocab_rows, row_state,
-                                     unique_tokens, row_sq, apply, step,
-                                     scalars, emb_width=emb_width)
-  row_state = tuple(
-      a.at[part.dest].set(part.new[name].astype(a.dtype), mode="drop")
-      for name, a in zip(rule.row_slots, row_state))
-
-  block = dma.block_rows(num_unique, width,
-                         copies=2 + 2 * len(element_state))
+  if row_sq.shape[0] == num_unique + 1:
+    row_sq = row_sq[:num_unique]
+  (row_state, dest, coeffs), extent, num_coeffs = _row_part(
+      rule, vocab_rows, row_state, unique_tokens, row_sq, apply, step,
+      scalars, emb_width)
+  copies = 2 * (1 + len(element_state)) * (2 if words else 1)
+  block = dma.block_rows(num_unique, 4 * grad_width, copies=copies)
   num_blocks = pl.cdiv(num_unique, block)
   size = num_blocks * block
-  dest = dma.padded(jnp.where(part.ok, part.rows, -1).astype(jnp.int32),
-                    size, -1)
+  dest = dma.padded(dest, size, -1)
+  reads = jnp.maximum(dest, 0)
   grad = dma.padded(grad_accum.astype(jnp.float32), size, 0.0)
-  num_coeffs = len(part.coeffs)
-  coeffs = (jnp.stack(part.coeffs, axis=1).astype(jnp.float32)
-            if num_coeffs else jnp.zeros((num_unique, 1), jnp.float32))
   coeffs = dma.padded(coeffs, size, 0.0)
   scalar_array = (jnp.stack(scalars) if scalars
                   else jnp.zeros((1,), jnp.float32))
-  state = (table,) + element_state
-  inputs = (dma.smem_blocks(dest, block), grad, coeffs, scalar_array)
+  live = jnp.reshape((extent + block - 1) // block, (1,)).astype(jnp.int32)
+  states = (table,) + element_state
+  # Programs past the last used block keep the last block's inputs (no
+  # refetch) and do nothing.
+  clamp = lambda i, live: jnp.maximum(jnp.minimum(i, live[0] - 1), 0)
+  smem = lambda ahead: pl.BlockSpec(
+      (None, 1, block), lambda i, live: (
+          jnp.maximum(jnp.minimum(i + ahead, live[0] - 1), 0), 0, 0),
+      memory_space=pltpu.SMEM)
   any_spec = pl.BlockSpec(memory_space=pl.ANY)
+  inputs = (dma.smem_blocks(reads, block), dma.smem_blocks(reads, block),
+            dma.smem_blocks(dest, block), grad, coeffs, scalar_array)
   outs = pl.pallas_call(
       functools.partial(_kernel, rule=rule, num_coeffs=num_coeffs,
-                        num_scalars=len(scalars), block=block),
-      out_shape=tuple(jax.ShapeDtypeStruct(s.shape, s.dtype) for s in state),
-      grid=(num_blocks,),
-      in_specs=[dma.smem_block(block),
-                pl.BlockSpec((block, width), lambda i: (i, 0)),
-                pl.BlockSpec((block, coeffs.shape[1]), lambda i: (i, 0)),
-                pl.BlockSpec(memory_space=pltpu.SMEM)]
-               + [any_spec] * len(state),
-      out_specs=tuple(any_spec for _ in state),
-      scratch_shapes=([pltpu.VMEM((block, width), s.dtype) for s in state]
-                      + [pltpu.SemaphoreType.DMA((1,))]),
-      input_output_aliases={len(inputs) + i: i for i in range(len(state))},
-      compiler_params=pltpu.CompilerParams(
-          dimension_semantics=("parallel",)),
+                        num_scalars=len(scalars), block=block, words=words),
+      out_shape=tuple(jax.ShapeDtypeStruct(s.shape, s.dtype) for s in states),
+      grid_spec=pltpu.PrefetchScalarGridSpec(
+          num_scalar_prefetch=1,
+          grid=(num_blocks,),
+          in_specs=[smem(0), smem(1), smem(0),
+                    pl.BlockSpec((block, grad_width),
+                                 lambda i, live: (clamp(i, live), 0)),
+                    pl.BlockSpec((block, coeffs.shape[1]),
+                                 lambda i, live: (clamp(i, live), 0)),
+                    pl.BlockSpec(memory_space=pltpu.SMEM)]
+                   + [any_spec] * len(states),
+          out_specs=tuple(any_spec for _ in states),
+          scratch_shapes=(
+              [pltpu.VMEM((2, block, s.shape[1]), s.dtype) for s in states]
+              + [pltpu.SemaphoreType.DMA((2,)), pltpu.SemaphoreType.DMA((2,)),
+                 pltpu.SMEM((2,), jnp.int32)])),
+      # The first operand (index 0) is the scalar prefetch.
+      input_output_aliases={1 + len(inputs) + i: i
+                            for i in range(len(states))},
+      compiler_params=dma.compiler_params("arbitrary"),
       interpret=dma.interpret_params(interpret),
       name=rule.kernel_name + "_tpu",
-  )(*inputs, *state)
+  )(live, *inputs, *states)
   return outs[0], row_state, tuple(outs[1:])
+
+
+def _logical_update(rule, table, row_state, element_state, unique_tokens,
+                    grad_accum, row_sq, apply, step, scalars, *, emb_width,
+                    interpret):
+  """The update of a logical `[V, S]` table and its logical element-wise
+  states, through their stored layouts."""
+  dtype = table.dtype
+  width = table.shape[1]
+  new_table, row_state, new_elements = sparse_update(
+      rule, stored.to_stored(table), row_state,
+      tuple(stored.to_grads(e, dtype) for e in element_state),
+      unique_tokens, stored.to_grads(grad_accum, dtype), row_sq, apply, step,
+      scalars, emb_width=emb_width, interpret=interpret)
+  return (stored.from_stored(new_table, width, dtype), row_state,
+          tuple(stored.from_grads(e, width, dtype).astype(old.dtype)
+                for e, old in zip(new_elements, element_state)))

@@ -1,0 +1,137 @@
+"""How the Mosaic backend stores a table: rows of 32-bit words, padded to
+whole 128-lane rows.
+
+A TPU keeps a 2-D array in HBM in (8, 128) tiles of 32-bit words. A
+`[V, 64]` f32 table pads each row to 128 lanes anyway, and XLA relays such
+a table out of its tiling around every gather and scatter; a bf16 row is
+half of a packed sublane, which no DMA can address on its own. Stored as
+`[V, P]` words (P a multiple of 128), every row is whole tile rows: one
+aligned DMA, a gather with no relayout, the same bytes in HBM as the
+`[V, 64]` f32 array took. bf16 columns are packed two to a word (column
+2j in the low half, 2j + 1 in the high half), so a bf16 row is half the
+words of an f32 one.
+
+A collection state on the Mosaic backend holds its tables (and the
+element-wise optimizer state, always f32) this way; the logical
+`[rows, width]` view is made at `table_arrays`, `optimizer_arrays`,
+checkpoints and serving only. The rows stay the first dimension, so
+slicing and stacking tables by rows works on either view.
+
+Gradients in this layout (`to_grads`) are f32 with the columns of each
+word side by side: `[low halves | high halves]`, each padded to P, so the
+update unpacks a word tile into two f32 tiles and adds the gradient's two
+halves without moving lanes.
+"""
+
+from __future__ import annotations
+
+import jax
+from jax import lax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_emb.kernels import common
+
+LANES = 128
+WORD = jnp.uint32  # a bf16 table's stored dtype: two columns per word
+
+
+def _is_bf16(dtype) -> bool:
+  return jnp.dtype(dtype) == jnp.bfloat16
+
+
+def words(width: int, dtype) -> int:
+  """32-bit words of one row of `width` columns of `dtype`."""
+  return (width + 1) // 2 if _is_bf16(dtype) else width
+
+
+def stored_width(width: int, dtype) -> int:
+  """Words of a stored row: `words`, padded to whole 128-lane rows."""
+  return -(-words(width, dtype) // LANES) * LANES
+
+
+def stored_dtype(dtype) -> np.dtype:
+  """The stored array's dtype: f32 as itself, bf16 as uint32 words."""
+  return np.dtype(WORD) if _is_bf16(dtype) else np.dtype(dtype)
+
+
+def grad_width(width: int, dtype) -> int:
+  """Columns of a gradient in this layout (`to_grads`)."""
+  return stored_width(width, dtype) * (2 if _is_bf16(dtype) else 1)
+
+
+def logical_dtype(table) -> np.dtype:
+  """The dtype of the columns of a stored (or logical) table."""
+  return np.dtype(common.logical_dtype(table.dtype))
+
+
+def is_stored(array, width: int) -> bool:
+  """Whether `array` `[rows, *]` is a stored table of `width` columns (and
+  not the logical `[rows, width]` f32 / bf16 table)."""
+  return array.dtype == WORD or array.shape[-1] != width
+
+
+def _pad_columns(x: jax.Array, columns: int) -> jax.Array:
+  extra = columns - x.shape[-1]
+  if not extra:
+    return x
+  return jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, extra)])
+
+
+def to_stored(x: jax.Array) -> jax.Array:
+  """A logical f32 or bf16 table (or rows) `[..., width]` as stored."""
+  width = x.shape[-1]
+  if not _is_bf16(x.dtype):
+    if x.dtype != jnp.float32:
+      raise TypeError(f"pallas_emb stored tables are f32 or bf16, got "
+                      f"{x.dtype}.")
+    return _pad_columns(x, stored_width(width, x.dtype))
+  x = _pad_columns(x, 2 * words(width, x.dtype))
+  pairs = lax.bitcast_convert_type(x.reshape(x.shape[:-1] + (-1, 2)), WORD)
+  return _pad_columns(pairs, stored_width(width, jnp.bfloat16))
+
+
+def from_stored(x: jax.Array, width: int, dtype) -> jax.Array:
+  """The logical `[..., width]` table (or rows) of `dtype` of stored `x`."""
+  if not _is_bf16(dtype):
+    return x[..., :width].astype(dtype)
+  pairs = lax.bitcast_convert_type(x[..., :words(width, dtype)], jnp.bfloat16)
+  return pairs.reshape(x.shape[:-1] + (-1,))[..., :width]
+
+
+def unpack(word_tile: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """uint32 words -> `(low halves, high halves)` as f32 (exact: a bf16 is
+  the upper half of its f32). Traceable in a kernel and in XLA."""
+  low = lax.bitcast_convert_type(word_tile << 16, jnp.float32)
+  high = lax.bitcast_convert_type(word_tile & jnp.uint32(0xFFFF0000),
+                                  jnp.float32)
+  return low, high
+
+
+def pack(low: jax.Array, high: jax.Array) -> jax.Array:
+  """f32 values -> words of their bf16 roundings (`common.narrow`'s)."""
+  return common.bf16_bits(low) | (common.bf16_bits(high) << 16)
+
+
+def to_grads(x: jax.Array, dtype) -> jax.Array:
+  """f32 `[..., width]` values (gradients of a `dtype` table) in the stored
+  layout's column order: f32 padded to the stored width; for bf16 the even
+  columns, then the odd ones, each padded to the stored width."""
+  width = x.shape[-1]
+  x = x.astype(jnp.float32)
+  padded = stored_width(width, dtype)
+  if not _is_bf16(dtype):
+    return _pad_columns(x, padded)
+  x = _pad_columns(x, 2 * words(width, dtype))
+  return jnp.concatenate([_pad_columns(x[..., 0::2], padded),
+                          _pad_columns(x[..., 1::2], padded)], axis=-1)
+
+
+def from_grads(x: jax.Array, width: int, dtype) -> jax.Array:
+  """The inverse of `to_grads`: f32 `[..., width]` in column order."""
+  if not _is_bf16(dtype):
+    return x[..., :width]
+  padded = stored_width(width, dtype)
+  half = words(width, dtype)
+  both = jnp.stack([x[..., :half], x[..., padded:padded + half]], axis=-1)
+  return both.reshape(x.shape[:-1] + (2 * half,))[..., :width]
