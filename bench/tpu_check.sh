@@ -12,8 +12,8 @@
 #    and on XLA's gather/scatter beside a dense optax step, 1M and 10M rows,
 #    widths 64 and 128, f32 and bf16, sequence ids and bags of 20, with
 #    each step's peak temporaries.
-# Logs go to $LOG (default tpu_check_logs/); each stage has a timeout that
-# leaves room for a rerun in a device session.
+# Logs go to $LOG (default tpu_check_logs/); each stage has a timeout, so
+# a stage that hangs leaves time to rerun the check.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 LOG="${LOG:-tpu_check_logs}"
