@@ -16,6 +16,7 @@ Two checks over the repository's own files (plain python, no JAX):
 import os
 import re
 import subprocess
+from unittest import mock
 
 from absl.testing import absltest
 
@@ -63,7 +64,8 @@ def tracked_files() -> list[str]:
   for root, dirs, files in os.walk(REPO):
     dirs[:] = [d for d in dirs if d not in SKIPPED_DIRS
                and not os.path.exists(os.path.join(root, d, "pyvenv.cfg"))]
-    paths += [os.path.relpath(os.path.join(root, f), REPO) for f in files]
+    paths += [os.path.relpath(os.path.join(root, f), REPO) for f in files
+              if f not in SKIPPED_DIRS]  # a worktree's .git is a file
   return paths
 
 
@@ -133,6 +135,14 @@ class HistoryTest(absltest.TestCase):
              "the DMA issue rate", "is used to compute", "0.10.x"]
     for line in legit:
       self.assertNotRegex(line, HISTORY_RE)
+
+  def test_without_git_the_tree_is_walked(self):
+    with mock.patch.object(subprocess, "run", side_effect=OSError("no git")):
+      paths = tracked_files()
+    self.assertIn("README.md", paths)
+    self.assertIn(os.path.join("pallas_emb", "__init__.py"), paths)
+    self.assertFalse([p for p in paths if p.split(os.sep)[0] == ".git"
+                      or "__pycache__" in p.split(os.sep)])
 
   def test_no_history_in_tracked_text(self):
     paths = tracked_files()
