@@ -12,7 +12,7 @@ Per batch size (`--tokens` Zipf(`--zipf`) ids over `--rows` rows, the
 unique buffer as large as the batch or `--unique_fit` times the batches'
 distinct rows, so nothing overflows), in one process:
 
-  sort        `dedup.unique_and_segments(on_cpu=True)` (today's CPU path)
+  sort        `dedup.unique_and_segments(on_cpu=True)` (`dedup="sort"`)
   map         `dedup.unique_by_slot_map`, the map donated (first-occurrence
               order)
   map_sorted  the same with `sort_unique=True` (sorted unique rows: the

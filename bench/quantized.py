@@ -45,7 +45,7 @@ def parse_args(argv=None):
 def time_cases(cases, reps: int, rounds: int) -> dict[str, float]:
   """Per case, the median over rounds of the mean time of `reps` queued
   calls (s). The cases take turns within each round, so that a busy spell
-  of a shared machine does not land on one case only."""
+  of the machine does not land on one case only."""
   for fn, args, _ in cases.values():
     jax.block_until_ready(fn(*args))  # compile
   times = {name: [] for name in cases}

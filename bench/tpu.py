@@ -113,7 +113,7 @@ def _temporaries(step, state, ids) -> int:
 def run_configuration(rows, width, dtype, kind, failures, dist="zipf"):
   """Median ms, speed-up over dense and temporaries of every case that
   compiles and runs; a case that fails is named in `failures` and left
-  out (one chip session should measure everything that works)."""
+  out (one run on a chip should measure everything that works)."""
   import jax  # pylint: disable=g-import-not-at-top
   cases, batches = _cases(rows, width, dtype, kind, _IDS.value, _BAG.value,
                           _BACKENDS.value, _DENSE.value, _ZIPF.value, dist)

@@ -18,7 +18,7 @@ encoder (examples/seqrec/hstu.py: attention divided by max_len = 200, not
 their padded width 211; position tables of 200, not 211; positions count
 back from the newest item, as our SASRec's).
 
-Measured on all 6,040 users (2026-12-05, this 2-core CPU): their protocol
+Measured on all 6,040 users (2 CPU cores): their protocol
 (--epochs=101 --train_on_valid --eval_every=101, ~23-24 min a run), 3
 seeds: test HR@10 .3164 +- .0045, NDCG@10 .1831 +- .0037 (README). With the
 validation item held out (this file as it is, seed 42, 15 min): test

@@ -45,7 +45,7 @@ def get_config() -> FeaturesConfig:
       eval_batch_size=20_000,
       log_every=40,
       eval_every=0,
-      # The target for this model: the run fails loudly above it
+      # This model's target: the run fails loudly above it
       # (CI runs this config as README's first command).
       target_test_rmse=0.900,
   )

@@ -544,8 +544,8 @@ class FlaxTrainerTest(parameterized.TestCase):
         self.assertLess(np.mean(losses[-5:]), 0.5 * np.mean(losses[:5]))
 
   def test_row_zero_trains(self):
-    # Issue 10: with pallas_emb.flax.Embed row 0 never trained, unlike
-    # nn.Embed. Layers and tables default to padding_id=None: id 0 is a row.
+    # As with nn.Embed, row 0 trains: layers and tables default to
+    # padding_id=None, so id 0 is a row like any other.
     batches = self.batches[:3]
     reference = dense_reference(self._host_params(), self.host_batches[:3],
                                 self.opt, self.dense_opt, late=False)

@@ -240,8 +240,8 @@ class OverflowExitTest(absltest.TestCase):
 
   def test_overflow_raises_once_and_exits_quietly(self):
     """The Trainer's overflow check raises in the step; a program that
-    catches it exits with nothing on stderr (JAX's own log of the failed
-    callback used to print a traceback, again at interpreter exit)."""
+    catches it exits with nothing on stderr (no traceback from JAX's own
+    log of the failed callback, at the step or at interpreter exit)."""
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     env.pop("XLA_FLAGS", None)
     proc = subprocess.run([sys.executable, "-c", OVERFLOW_PROGRAM],

@@ -269,7 +269,7 @@ class TinyTablesTest(absltest.TestCase):
                          t.alternatives[t.placement])
 
   def test_tiny_tables_go_where_they_send_least(self):
-    """The issue's set: 8 ranks, 0.75x the column-only memory, 3 big
+    """8 ranks, 0.75x the column-only memory, 3 big
     tables and twelve of 3-1,000 rows. A row-placed tiny table's bucket
     holds at most its rows, so it sends less than the per-id gradients a
     replicated one all-gathers; the report prints both figures."""

@@ -304,7 +304,7 @@ class ConfigTest(absltest.TestCase):
                                                       encoder="hstu"))
 
   def test_eta_before_a_rate_is_known(self):
-    """A one-step run logs before any rate exists (it used to crash)."""
+    """A one-step run logs before any rate exists, without crashing."""
     self.assertEqual(loop.fmt_time(float("nan")), "-:--:--")
     self.assertEqual(loop.fmt_time(3725.4), "1:02:05")
 

@@ -258,9 +258,9 @@ class WideIdsTest(parameterized.TestCase):
         validation.as_ids(ids)
 
   def test_traced_uint32_max_neither_trains_nor_moves_a_row(self):
-    """`2**32 - 1` used to become -1, wrapped onto the last row and trained
-    it; now it is an id past the table: lookup clamps it (the last row's
-    values), the update skips it, and count_out_of_range counts it."""
+    """`2**32 - 1` is an id past the table, not -1 wrapped onto the last
+    row: lookup clamps it (the last row's values), the update skips it,
+    and count_out_of_range counts it."""
     vocab, width = 64, 8
     ctx = pe.make_context(mesh({"x": 4}), "x", tokens_per_batch=8,
                           emb_width=width, num_unique=9)

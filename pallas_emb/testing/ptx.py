@@ -17,8 +17,8 @@ follows a `.loc 1 K` line; the access's pointer is traced back through
 `tt.addptr` / `tt.splat` / broadcasts to the kernel parameter it offsets,
 whose name comes from the kernel's jaxpr.
 
-Uses jax private modules (`jax._src.pallas.triton`), as
-`shared/tools/ptx_report.py` does: a test helper, not a library dependency.
+Uses jax private modules (`jax._src.pallas.triton`): a test helper, not a
+library dependency.
 """
 
 from __future__ import annotations
