@@ -17,11 +17,13 @@ norm: the user vector is only L2-normalised (the repository's
 L2NormEmbeddingPostprocessor; SeqRec does it). The input is `Encoder`'s
 (scaled items + learned positions, dropout, 0 on padding).
 
-Differences (all from our right-aligned, bucketed rows): n is max_len
-(theirs is their padded width 200 + 11 output slots = 211; the LayerNorm
-right after cancels the constant up to its eps); the position tables
-have max_len rows (theirs 211); padding keys are masked out explicitly
-(their rows are left-aligned, so a causal query never sees padding).
+Differences (all from our right-aligned, bucketed rows): n is the
+position table's rows, max_len (theirs is their padded width 200 + 11
+output slots = 211, which `from_oldest` takes too; the LayerNorm right
+after cancels the constant up to its eps); padding keys are masked out
+explicitly (their rows are left-aligned, so a causal query never sees
+padding). With `dtype` bfloat16 the projections and the attention run in
+bf16; the norms, the bias tables and the residual stream stay float32.
 """
 
 from __future__ import annotations
@@ -112,11 +114,12 @@ class HSTU(model_lib.Encoder):
                  for i in range(self.num_blocks)]
     # torch.nn.Linear with xavier_uniform weights (hstu.py:268-272) and
     # its default bias init.
-    self.out = [nn.Dense(self.dim, name=f"out_{i}",
+    self.out = [nn.Dense(self.dim, name=f"out_{i}", dtype=self.dtype,
                          kernel_init=nn.initializers.xavier_uniform(),
                          bias_init=_symmetric_uniform(1 / math.sqrt(width)))
                 for i in range(self.num_blocks)]
-    self.pos_w = [self.param(f"pos_w_{i}", normal, (2 * self.max_len - 1,))
+    self.pos_w = [self.param(f"pos_w_{i}", normal,
+                             (2 * self.num_positions - 1,))
                   for i in range(self.num_blocks)]
     self.ts_w = [self.param(f"ts_w_{i}", normal, (NUM_TIME_BUCKETS + 1,))
                  for i in range(self.num_blocks)]
@@ -147,12 +150,16 @@ class HSTU(model_lib.Encoder):
     def split(a):  # [B, L, heads * w] -> [B, L, heads, w]
       return a.reshape(a.shape[:2] + (heads, -1))
 
+    dtype = self.dtype
+    keep = keep.astype(dtype)
     for i in range(self.num_blocks):
-      u, v, q, k = jnp.split(nn.silu(self.norm(x) @ self.uvqk[i]), 4, axis=-1)
+      uvqk = self.norm(x).astype(dtype) @ self.uvqk[i].astype(dtype)
+      u, v, q, k = jnp.split(nn.silu(uvqk), 4, axis=-1)
       scores = jnp.einsum("bnhd,bmhd->bhnm", split(q), split(k))
-      bias = relative_bias(self.pos_w[i], self.ts_w[i], times)
-      attn = nn.silu(scores + bias[:, None]) / self.max_len * keep
+      bias = relative_bias(self.pos_w[i], self.ts_w[i], times).astype(dtype)
+      attn = nn.silu(scores + bias[:, None]) / self.num_positions * keep
       out = jnp.einsum("bhnm,bmhd->bnhd", attn, split(v)).reshape(x.shape)
-      x = self.out[i](model_lib.dropout(u * self.norm(out), self.dropout,
+      out = self.norm(out.astype(jnp.float32)).astype(dtype)
+      x = self.out[i](model_lib.dropout(u * out, self.dropout,
                                         next(keys))) + x
     return x * valid[..., None].astype(jnp.float32)
