@@ -59,6 +59,11 @@ def negatives_key(seed: jax.Array, step: jax.Array) -> jax.Array:
   return step_key(seed, step, _NEGATIVES)
 
 
+def position_negatives_key(seed: jax.Array, step: jax.Array) -> jax.Array:
+  """The key of a step's per-position negatives (the loss draws them)."""
+  return step_key(seed, step, _POSITION_NEGATIVES)
+
+
 def l2_normalize(x: jax.Array, eps: float = 1e-6) -> jax.Array:
   # Not x / max(norm(x), eps): the norm's gradient at a zero vector (a
   # padding position) is NaN, and 0 * NaN would poison the loss.
@@ -266,7 +271,7 @@ def make_loss(temperature: float, positions_per_batch: float, *,
     if per_position:
       per_pos = _per_position_loss(
           user, pos_logit, outputs["neg"], neg_items, pos_items,
-          step_key(batch[SEED][0], batch[STEP][0], _POSITION_NEGATIVES))
+          position_negatives_key(batch[SEED][0], batch[STEP][0]))
     else:
       neg_logit = jnp.einsum("bld,bnd->bln", user,
                              outputs["neg"]) / temperature

@@ -263,7 +263,9 @@ def train(config: SeqRecConfig, log: Callable[[str], None] = print) -> dict:
       "users": data.num_users, "items": data.num_items,
       "untied_users": int(np.count_nonzero(data.untied)),
       "devices": jax.device_count(), "platform": jax.devices()[0].platform,
-      "timing": clock.seconds(), "compile_cache": cache_dir,
+      "timing": clock.seconds(),
+      "compile_cache": {"dir": cache_dir, "read": clock.cache_hits,
+                        "compiled": clock.cache_misses},
   }
   if len(runs) == 1:
     metrics.update(runs[0])
