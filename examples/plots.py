@@ -77,7 +77,9 @@ def plot_seqrec(path: str, metrics: dict) -> str:
   loss_ax.set_title(f"{metrics['model']} on {metrics['dataset']}: training "
                     "loss")
   valid_ax.set_xlabel("epoch")
-  valid_ax.set_title(f"validation ({metrics['items']:,} items ranked)")
+  trained_on = metrics["config"].get("train_on_valid")
+  valid_ax.set_title(f"validation, {metrics['items']:,} items ranked"
+                     + (" (item trained on)" if trained_on else ""))
   for ax in (loss_ax, valid_ax):
     ax.legend(fontsize="small")
   return _save(fig, plt, path)
