@@ -160,6 +160,18 @@ class DataTest(absltest.TestCase):
       else:
         self.assertEqual(negatives.shape, (3, 4))
         self.assertTrue(((negatives >= 1) & (negatives <= 9)).all())
+    # Plain ids: the table rows are the ids (no item_rows on the device).
+    plain = data_lib.from_sequences(seqs, max_len=4, train_on_valid=False)
+    arrays = data_lib.device_arrays(plain, jax.devices()[0])
+    self.assertNotIn("item_rows", arrays)
+    batch = data_lib.device_batch(arrays, users, 7, 11, length=3,
+                                  num_items=seqs.num_items, num_negatives=4,
+                                  per_position=False)
+    for feature, ids in ((model_lib.POSITIVES, model_lib.POS_ITEMS),
+                         (model_lib.NEGATIVES, model_lib.NEG_ITEMS)):
+      np.testing.assert_array_equal(batch[feature], batch[ids])
+    np.testing.assert_array_equal(batch[model_lib.HISTORY][0],
+                                  plain.inputs[2, -3:])
     self.assertEqual(data_lib.catalogue_ids(10, 4).tolist(),
                      [[1, 2, 3], [4, 5, 6], [7, 8, 9], [10, 0, 0]])
 
@@ -340,6 +352,15 @@ class HstuTest(absltest.TestCase):
         hstu.small_table_lookup(t, idx, o) * cot))(table)
              for o in (True, False)]
     np.testing.assert_allclose(grads[0], grads[1], rtol=1e-6, atol=1e-6)
+    # Several tables at the same ids (HSTU's blocks, stacked): column c is
+    # table c's lookup, by either path.
+    tables = jnp.asarray(rng.normal(size=(129, 3)).astype(np.float32))
+    for one_hot in (True, False):
+      got = np.asarray(hstu.small_table_lookup(tables, idx, one_hot))
+      self.assertEqual(got.shape, idx.shape + (3,))
+      for c in range(3):
+        np.testing.assert_array_equal(got[..., c],
+                                      np.asarray(tables[:, c])[idx])
 
   def test_causal_up_to_the_next_timestamp(self):
     apply, items, valid, times = _hstu()

@@ -182,12 +182,14 @@ def batch_plan(data: SeqData, *, batch_size: int, seed: int,
 
 
 def device_arrays(data: SeqData, sharding) -> dict[str, jax.Array]:
-  """The training windows and the item rows, put on the devices once."""
+  """The training windows and (hashed ids only: the identity needs no
+  table) the item rows, put on the devices once."""
+  arrays = {"inputs": data.inputs, "targets": data.targets,
+            "times": data.times}
+  if data.item_rows.ndim > 1:
+    arrays["item_rows"] = data.item_rows
   return {name: jax.device_put(np.asarray(value), sharding)
-          for name, value in (("inputs", data.inputs),
-                              ("targets", data.targets),
-                              ("times", data.times),
-                              ("item_rows", data.item_rows))}
+          for name, value in arrays.items()}
 
 
 def catalogue_ids(num_items: int, batch_size: int) -> np.ndarray:
@@ -207,7 +209,8 @@ def device_batch(arrays: dict[str, jax.Array], users: jax.Array,
   """A training batch of `users` (`Planned.users`), built on the device.
 
   Keys as model.FEATURES etc.: the users' last `length` inputs, targets
-  and `length + 1` times (0 on filler rows), as table rows and as ids.
+  and `length + 1` times (0 on filler rows), as table rows (arrays'
+  "item_rows" of hashed ids; else the ids) and as ids.
   The negatives: `num_negatives` per user, uniform over the items with
   replacement (model.negatives_key(seed, step)); with `per_position`
   the whole catalogue instead (`catalogue_ids`), from which the loss
@@ -226,10 +229,13 @@ def device_batch(arrays: dict[str, jax.Array], users: jax.Array,
     negatives = jax.random.randint(model.negatives_key(seed, step),
                                    (batch_size, num_negatives), 1,
                                    num_items + 1, jnp.int32)
-  item_rows = arrays["item_rows"]
-  return {model.HISTORY: item_rows[history],
-          model.POSITIVES: item_rows[positives],
-          model.NEGATIVES: item_rows[negatives], model.POS_ITEMS: positives,
+  if "item_rows" in arrays:  # hashed ids: each item's table rows
+    rows_of = arrays["item_rows"].__getitem__
+  else:  # an item's row is its id
+    rows_of = lambda ids: ids  # pylint: disable=unnecessary-lambda-assignment
+  return {model.HISTORY: rows_of(history),
+          model.POSITIVES: rows_of(positives),
+          model.NEGATIVES: rows_of(negatives), model.POS_ITEMS: positives,
           model.NEG_ITEMS: negatives, model.TIMES: times,
           model.STEP: jnp.full(batch_size, step, jnp.int32),
           model.SEED: jnp.full(batch_size, seed, jnp.int32)}

@@ -53,38 +53,47 @@ def time_buckets(dt: jax.Array) -> jax.Array:
 
 def small_table_lookup(table: jax.Array, idx: jax.Array,
                        one_hot: bool | None = None) -> jax.Array:
-  """`table[idx]` of a tiny 1-D table; `one_hot` (default: on TPUs) as a
-  one-hot product on the MXU, exact (f32 at HIGHEST precision) for finite
-  entries but the sign of a zero (a -0.0 entry reads +0.0). Measured on a
-  v5e at 8df6ccf: ts_w's 129 entries at [128, 200, 200] bucket ids took
-  42 ms gathered and 1.07 ms as a one-hot product; on a CPU the one-hot
-  operand would be materialized (2.6 GB there), so CPUs gather."""
+  """`table[idx]` of a tiny table `[K]` or `[K, n]` (then `[..., n]`: n
+  tables read at the same ids); `one_hot` (default: on TPUs) as a one-hot
+  product on the MXU, exact (f32 at HIGHEST precision) for finite entries
+  but the sign of a zero (a -0.0 entry reads +0.0). Measured on a v5e at
+  8df6ccf: ts_w's 129 entries at [128, 200, 200] bucket ids took 42 ms
+  gathered and 1.07 ms as a one-hot product; on a CPU the one-hot operand
+  would be materialized (2.6 GB there), so CPUs gather. Reading the n
+  tables in one product builds the one-hot operand once, not n times."""
   if one_hot is None:
     one_hot = jax.devices()[0].platform == "tpu"
   if not one_hot:
     return table[idx]
-  return jnp.einsum("...k,k->...",
-                    jax.nn.one_hot(idx, table.shape[0], dtype=table.dtype),
-                    table, precision=jax.lax.Precision.HIGHEST)
+  return jnp.tensordot(jax.nn.one_hot(idx, table.shape[0], dtype=table.dtype),
+                       table, axes=1, precision=jax.lax.Precision.HIGHEST)
+
+
+def time_bucket_ids(times: jax.Array) -> jax.Array:
+  """int32 `[B, L, L]`: the time bucket of query i, key j from times
+  `[B, L + 1]`, the reference's `ext_timestamps` (hstu.py:128-130):
+  column t + 1 is the time of the item query t predicts, so the gap is
+  times[i + 1] - times[j]."""
+  return time_buckets(times[:, 1:, None] - times[:, None, :-1])
+
+
+def position_bias(pos_w: jax.Array, length: int) -> jax.Array:
+  """`[L, L]`: pos_w `[2 M - 1]` holds the weight of distance i - j at
+  M - 1 + j - i (the pad/repeat/reshape of hstu.py:123-125,139 for any
+  L <= M)."""
+  middle = (pos_w.shape[0] - 1) // 2
+  i = jnp.arange(length)
+  return pos_w[middle + i[None, :] - i[:, None]]
 
 
 def relative_bias(pos_w: jax.Array, ts_w: jax.Array,
                   times: jax.Array) -> jax.Array:
   """`[B, L, L]` bias of query i, key j (RelativeBucketedTimeAndPosition-
-  BasedBias.forward, hstu.py:111-143).
-
-  pos_w: `[2 M - 1]`, the weight of distance i - j at M - 1 + j - i (the
-  pad/repeat/reshape of hstu.py:123-125,139 for any L <= M); ts_w:
-  `[NUM_TIME_BUCKETS + 1]`; times: `[B, L + 1]`, the reference's
-  `ext_timestamps` (hstu.py:128-130): column t + 1 is the time of the item
-  query t predicts, so the bias reads times[i + 1] - times[j].
-  """
-  length = times.shape[1] - 1
-  middle = (pos_w.shape[0] - 1) // 2
-  i = jnp.arange(length)
-  positions = pos_w[middle + i[None, :] - i[:, None]]
-  gaps = times[:, 1:, None] - times[:, None, :-1]
-  return positions[None] + small_table_lookup(ts_w, time_buckets(gaps))
+  BasedBias.forward, hstu.py:111-143): `position_bias` of pos_w plus
+  ts_w `[NUM_TIME_BUCKETS + 1]` at `time_bucket_ids(times)`. HSTU reads
+  every block's ts_w in one lookup instead (the same values)."""
+  return (position_bias(pos_w, times.shape[1] - 1)[None]
+          + small_table_lookup(ts_w, time_bucket_ids(times)))
 
 
 def _symmetric_uniform(bound: float):
@@ -152,11 +161,15 @@ class HSTU(model_lib.Encoder):
 
     dtype = self.dtype
     keep = keep.astype(dtype)
+    # [B, L, L, blocks]: every block's time bias in one lookup.
+    time_bias = small_table_lookup(jnp.stack(self.ts_w, axis=-1),
+                                   time_bucket_ids(times))
     for i in range(self.num_blocks):
       uvqk = self.norm(x).astype(dtype) @ self.uvqk[i].astype(dtype)
       u, v, q, k = jnp.split(nn.silu(uvqk), 4, axis=-1)
       scores = jnp.einsum("bnhd,bmhd->bhnm", split(q), split(k))
-      bias = relative_bias(self.pos_w[i], self.ts_w[i], times).astype(dtype)
+      bias = (position_bias(self.pos_w[i], length)[None]
+              + time_bias[..., i]).astype(dtype)
       attn = nn.silu(scores + bias[:, None]) / self.num_positions * keep
       out = jnp.einsum("bhnm,bmhd->bnhd", attn, split(v)).reshape(x.shape)
       out = self.norm(out.astype(jnp.float32)).astype(dtype)
