@@ -64,14 +64,15 @@ def plot_seqrec(path: str, metrics: dict) -> str:
   if plt is None:
     return _missing(path)
   fig, (loss_ax, valid_ax) = plt.subplots(1, 2, figsize=(11, 4))
-  for run in metrics.get("runs") or [metrics]:
-    seed = run["seed"]
+  for k, run in enumerate(metrics.get("runs") or [metrics]):
+    seed, color = run["seed"], f"C{k}"  # a color per seed
     losses = run["epoch_losses"]
-    loss_ax.plot(range(1, len(losses) + 1), losses, label=f"seed {seed}")
+    loss_ax.plot(range(1, len(losses) + 1), losses, color=color,
+                 label=f"seed {seed}")
     epochs = [point["epoch"] for point in run["curve"]]
     for key, style in (("hr@10", "o-"), ("ndcg@10", "s--")):
       valid_ax.plot(epochs, [point[f"valid_{key}"] for point in run["curve"]],
-                    style, label=f"{key.upper()}, seed {seed}")
+                    style, color=color, label=f"{key.upper()}, seed {seed}")
   loss_ax.set_xlabel("epoch")
   loss_ax.set_ylabel("sampled softmax loss")
   loss_ax.set_title(f"{metrics['model']} on {metrics['dataset']}: training "
