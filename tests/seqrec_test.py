@@ -249,13 +249,15 @@ class LossTest(absltest.TestCase):
     batch = {model_lib.POS_ITEMS: pos_items,
              model_lib.NEG_ITEMS: catalogue_ids,
              model_lib.SEED: np.full(b, seed), model_lib.STEP: np.full(b, step)}
-    for batch_norm, count in ((False, 3.0), (True, None)):
-      loss = model_lib.make_loss(0.1, 3.0, per_position=True, num_negatives=n,
-                                 num_items=num_items, batch_norm=batch_norm)
-      got, _ = jax.jit(loss)(outputs, batch)
+    losses = [model_lib.make_loss(0.1, 3.0, per_position=True,
+                                  num_negatives=n, num_items=num_items,
+                                  batch_norm=batch_norm)
+              for batch_norm in (False, True)]
+    got = jax.jit(lambda o, b: [f(o, b)[0] for f in losses])(outputs, batch)
+    for value, count in zip(got, (3.0, None)):
       want = _numpy_loss(user, pos, vecs[draws + 1], pos_items, draws + 1,
                          0.1, count)
-      np.testing.assert_allclose(float(got), want, rtol=1e-5)
+      np.testing.assert_allclose(float(value), want, rtol=1e-5)
 
   def test_draw_counts(self):
     rng = np.random.default_rng(4)
@@ -445,15 +447,17 @@ class EncoderOptionsTest(absltest.TestCase):
       valid = np.ones((3, 8), bool)
       valid[0, :3] = False
       times = np.sort(rng.integers(0, 10**7, (3, 9)), axis=1)
-      outs = []
-      for dtype in (jnp.float32, jnp.bfloat16):
-        encoder = cls(dim=8, max_len=8, num_blocks=1, num_heads=2,
+      encoders = [cls(dim=8, max_len=8, num_blocks=1, num_heads=2,
                       dropout=0.0, dtype=dtype)
-        params = jax.jit(encoder.init)(jax.random.key(0), items, valid, None,
-                                       times)
-        self.assertTrue(all(p.dtype == jnp.float32
-                            for p in jax.tree.leaves(params)))
-        outs.append(jax.jit(encoder.apply)(params, items, valid, None, times))
+                  for dtype in (jnp.float32, jnp.bfloat16)]
+      # The same float32 params (the dtype is the compute's alone).
+      params = jax.jit(encoders[1].init)(jax.random.key(0), items, valid,
+                                         None, times)
+      self.assertTrue(all(p.dtype == jnp.float32
+                          for p in jax.tree.leaves(params)))
+      outs = jax.jit(lambda p, i, v, t: [e.apply(p, i, v, None, t)
+                                         for e in encoders])(
+                                             params, items, valid, times)
       self.assertEqual(outs[1].dtype, jnp.float32)
       scale = float(jnp.max(jnp.abs(outs[0])))
       np.testing.assert_allclose(outs[1], outs[0], atol=0.05 * scale)
