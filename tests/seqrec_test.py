@@ -9,6 +9,8 @@ import dataclasses
 import functools
 import json
 import os
+import re
+import subprocess
 import tempfile
 from unittest import mock
 
@@ -515,6 +517,20 @@ class ConfigTest(absltest.TestCase):
     self.assertEqual((large.catalogue, large.negatives, large.loss_norm,
                       large.positions, large.compute_dtype),
                      ("all", "per_user", "constant", "newest", "float32"))
+
+  def test_tpu_script_parses_and_names_existing_configs(self):
+    root = os.path.dirname(os.path.dirname(CONFIG))
+    script = os.path.join(root, "bench", "ml1m_tpu.sh")
+    subprocess.run(["bash", "-n", script], check=True)
+    with open(script) as f:
+      text = f.read()
+    (models,) = re.findall(r'MODELS="\$\{MODELS:-([^}]*)\}"', text)
+    self.assertEqual(models.split(), ["hstu", "hstu_large"])
+    for model in models.split():
+      config = load_config(os.path.join(root, "configs",
+                                        f"movielens_1m_{model}.py"))
+      self.assertEqual(config.encoder, "hstu")
+    self.assertIn('--config="configs/movielens_1m_$model.py"', text)
 
   def test_seeds(self):
     self.assertEqual(seqrec_run.seeds(SeqRecConfig(seed=5)), [5])
