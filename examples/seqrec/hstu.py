@@ -78,12 +78,14 @@ def time_bucket_ids(times: jax.Array) -> jax.Array:
 
 
 def position_bias(pos_w: jax.Array, length: int) -> jax.Array:
-  """`[L, L]`: pos_w `[2 M - 1]` holds the weight of distance i - j at
-  M - 1 + j - i (the pad/repeat/reshape of hstu.py:123-125,139 for any
-  L <= M)."""
+  """`[L, L]` (`[L, L, n]` for n stacked tables `[2 M - 1, n]`): pos_w
+  holds the weight of distance i - j at M - 1 + j - i (the
+  pad/repeat/reshape of hstu.py:123-125,139 for any L <= M). Read by
+  `small_table_lookup`: on TPUs a one-hot product, whose gradient is a
+  product too, not a scatter-add of L * L entries into the table."""
   middle = (pos_w.shape[0] - 1) // 2
   i = jnp.arange(length)
-  return pos_w[middle + i[None, :] - i[:, None]]
+  return small_table_lookup(pos_w, middle + i[None, :] - i[:, None])
 
 
 def relative_bias(pos_w: jax.Array, ts_w: jax.Array,
@@ -161,15 +163,16 @@ class HSTU(model_lib.Encoder):
 
     dtype = self.dtype
     keep = keep.astype(dtype)
-    # [B, L, L, blocks]: every block's time bias in one lookup.
+    # Every block's biases in one lookup each: [L, L, blocks] of the
+    # positions, [B, L, L, blocks] of the time gaps.
+    position = position_bias(jnp.stack(self.pos_w, axis=-1), length)
     time_bias = small_table_lookup(jnp.stack(self.ts_w, axis=-1),
                                    time_bucket_ids(times))
     for i in range(self.num_blocks):
       uvqk = self.norm(x).astype(dtype) @ self.uvqk[i].astype(dtype)
       u, v, q, k = jnp.split(nn.silu(uvqk), 4, axis=-1)
       scores = jnp.einsum("bnhd,bmhd->bhnm", split(q), split(k))
-      bias = (position_bias(self.pos_w[i], length)[None]
-              + time_bias[..., i]).astype(dtype)
+      bias = (position[None, ..., i] + time_bias[..., i]).astype(dtype)
       attn = nn.silu(scores + bias[:, None]) / self.num_positions * keep
       out = jnp.einsum("bhnm,bmhd->bnhd", attn, split(v)).reshape(x.shape)
       out = self.norm(out.astype(jnp.float32)).astype(dtype)
