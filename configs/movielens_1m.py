@@ -12,18 +12,24 @@ over L2-normalised vectors at temperature 0.05; AdamW lr 1e-3, betas
 (same lr and betas) through the pipelined FlaxTrainer, on 8 simulated CPU
 devices; its width is d rounded up to a multiple of the devices (56).
 
-Differences (docs/movielens1m_protocol.md has the details): 60 epochs,
-not 101; batches group users of similar history length (64, 128, 200
-items) and are cut to it, for speed; the 128
-negatives are shared by the positions of an example (theirs are drawn per
-position); training stops before the validation item (--train_on_valid
-trains on it as they do) and the validation target picks epochs and
-hyper-parameters, the test target is read once at the end; 3,706 rated
-items are ranked (theirs 3,883), with the fed history filtered.
+Ranked and sampled as theirs: all 3,883 movies (--catalogue=rated: the
+3,706 rated ones), with the fed history filtered. Differences
+(docs/movielens1m_protocol.md has the details), each a flag that switches
+to theirs: the 128 negatives are shared by the positions of an example
+(--negatives=per_position: drawn per position); the loss is divided by the
+expected count of valid positions of a batch (--loss_norm=batch: by the
+batch's own); learned positions count back from the newest item
+(--positions=oldest: from the oldest, over 211 rows). Also: 60 epochs, not
+101; on CPUs batches group users of similar history length (64, 128, 200
+items) and are cut to it, for speed; training stops before the
+validation item (--train_on_valid trains on it as they do) and the
+validation target picks epochs and hyper-parameters, the test target is
+read once at the end.
 
-Measured (seed 42, 2 CPU cores shared with other jobs, 43 min wall of which
-~10 min compiling): test HR@10 .2700, NDCG@10 .1492, HR@50 .5353, NDCG@50
-.2074, MRR .1275 (validation HR@10 .2810); their SASRec: .2853 / .1603.
+Measured (seed 42, 3,706 items ranked, 2 CPU cores shared with other jobs,
+43 min wall of which ~10 min compiling): test HR@10 .2700, NDCG@10 .1492,
+HR@50 .5353, NDCG@50 .2074, MRR .1275 (validation HR@10 .2810); their
+SASRec: .2853 / .1603.
 """
 
 from examples.config import SeqRecConfig

@@ -212,6 +212,9 @@ class SeqRecConfig:
       False, "Train on train + validation items, as the HSTU code does (the "
       "validation metrics then see their target in training: only test is "
       "meaningful). Default: train on the training items only.")
+  catalogue: str = _field(
+      "all", "Items ranked and sampled as negatives: 'all' (the 3,883 movies "
+      "of ml-1m.item, as the HSTU code) or 'rated' (the 3,706 rated ones).")
 
   # --- model: SASRec (causal self-attention) or HSTU ---
   encoder: str = _field(
@@ -229,11 +232,28 @@ class SeqRecConfig:
       False, "Items as 2 hashed ids (pallas_emb.hash_ids) into a table of "
       "hash_rows rows; the two rows are concatenated and projected to d.")
   hash_rows: int = _field(1854, "Rows of the hashed table (about half the "
-                          "3,706 items).")
+                          "3,706 rated items).")
+  positions: str = _field(
+      "newest", "Learned positions: 'newest' counts back from the newest "
+      "item over max_len rows; 'oldest' counts from each row's oldest item "
+      "over max_len + 11 rows, as the HSTU code (HSTU also divides its "
+      "attention by max_len + 11 then).")
+  compute_dtype: str = _field(
+      "float32", "Compute dtype of the encoder's blocks: 'float32' or "
+      "'bfloat16' (params, norms, residuals and the loss stay float32).")
 
   # --- loss: sampled softmax over L2-normalised vectors ---
   num_negatives: int = _field(
-      128, "Uniform negatives per example, shared by its positions.")
+      128, "Uniform negatives (with replacement) per example, or per "
+      "position with --negatives=per_position.")
+  negatives: str = _field(
+      "per_user", "'per_user': one draw per example, shared by its "
+      "positions; 'per_position': each position draws its own, as the HSTU "
+      "code.")
+  loss_norm: str = _field(
+      "constant", "Divide the batch's summed loss by 'constant' (the expected "
+      "count of valid positions of a batch) or by the 'batch''s own count, "
+      "as the HSTU code.")
   temperature: float = _field(0.05, "Softmax temperature.")
 
   # --- optimisation ---
@@ -253,6 +273,14 @@ class SeqRecConfig:
   pipelined: bool = _field(True, "Pipelined one-step-stale step.")
   backend: str = _field("", "Kernel backend ('' = platform default).")
   seed: int = _field(42, "Seed of the init, dropout, negatives, shuffling.")
+  seeds: str = _field(
+      "", "Comma-separated seeds trained one after another in this process "
+      "(data loaded and programs compiled once), e.g. '11,12,13'; a result "
+      "line per seed, then mean +- sd. '': --seed alone.")
+  compile_cache: str = _field(
+      "~/.cache/pallas_emb/jax", "Persistent JAX compilation cache "
+      "directory: a second run reads its programs from there instead of "
+      "compiling them. '': off.")
 
   # --- evaluation and reporting ---
   eval_every: int = _field(
@@ -260,6 +288,10 @@ class SeqRecConfig:
   eval_batch_size: int = _field(512, "Users per evaluation batch.")
   log_every: int = _field(50, "Steps between progress lines.")
   metrics_out: str = _field("", "Write metrics JSON here ('': don't).")
+  plot_out: str = _field(
+      "", "Draw the training loss per epoch and the validation metrics "
+      "into this PNG (needs matplotlib); '': next to --metrics_out (its "
+      "name with .png), if given.")
 
 
 # The config classes by name: TrainConfig runs the biased MF, FeaturesConfig

@@ -52,6 +52,7 @@ startup.simulate_cpu_devices()  # Before jax is imported.
 
 # pylint: disable=g-import-not-at-top,g-bad-import-order,wrong-import-position
 import functools
+import os
 import sys
 from typing import Callable
 
@@ -65,6 +66,7 @@ from examples import cli
 from examples import data as data_lib
 from examples import evaluation
 from examples import loop
+from examples import plots
 from examples import report
 from examples import resume
 from examples.config import ConfigError
@@ -87,9 +89,15 @@ def train(config: TrainConfig | SeqRecConfig,
   """
   if isinstance(config, SeqRecConfig):
     metrics = seqrec.train(config, log)
-    if config.metrics_out and jax.process_index() == 0:
-      report.write_metrics(config.metrics_out, metrics)
-      log(f"wrote {config.metrics_out}")
+    if jax.process_index() == 0:
+      if config.metrics_out:
+        report.write_metrics(config.metrics_out, metrics)
+        log(f"wrote {config.metrics_out}")
+      plot = config.plot_out or (
+          os.path.splitext(config.metrics_out)[0] + ".png"
+          if config.metrics_out else "")
+      if plot:
+        log(plots.plot_seqrec(plot, metrics))
     return metrics
   _, _, metrics = run_training(config, log)
   if jax.process_index() == 0:

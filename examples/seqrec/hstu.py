@@ -17,11 +17,13 @@ norm: the user vector is only L2-normalised (the repository's
 L2NormEmbeddingPostprocessor; SeqRec does it). The input is `Encoder`'s
 (scaled items + learned positions, dropout, 0 on padding).
 
-Differences (all from our right-aligned, bucketed rows): n is max_len
-(theirs is their padded width 200 + 11 output slots = 211; the LayerNorm
-right after cancels the constant up to its eps); the position tables
-have max_len rows (theirs 211); padding keys are masked out explicitly
-(their rows are left-aligned, so a causal query never sees padding).
+Differences (all from our right-aligned, bucketed rows): n is the
+position table's rows, max_len (theirs is their padded width 200 + 11
+output slots = 211, which `from_oldest` takes too; the LayerNorm right
+after cancels the constant up to its eps); padding keys are masked out
+explicitly (their rows are left-aligned, so a causal query never sees
+padding). With `dtype` bfloat16 the projections and the attention run in
+bf16; the norms, the bias tables and the residual stream stay float32.
 """
 
 from __future__ import annotations
@@ -51,38 +53,49 @@ def time_buckets(dt: jax.Array) -> jax.Array:
 
 def small_table_lookup(table: jax.Array, idx: jax.Array,
                        one_hot: bool | None = None) -> jax.Array:
-  """`table[idx]` of a tiny 1-D table; `one_hot` (default: on TPUs) as a
-  one-hot product on the MXU, exact (f32 at HIGHEST precision) for finite
-  entries but the sign of a zero (a -0.0 entry reads +0.0). Measured on a
-  v5e at 8df6ccf: ts_w's 129 entries at [128, 200, 200] bucket ids took
-  42 ms gathered and 1.07 ms as a one-hot product; on a CPU the one-hot
-  operand would be materialized (2.6 GB there), so CPUs gather."""
+  """`table[idx]` of a tiny table `[K]` or `[K, n]` (then `[..., n]`: n
+  tables read at the same ids); `one_hot` (default: on TPUs) as a one-hot
+  product on the MXU, exact (f32 at HIGHEST precision) for finite entries
+  but the sign of a zero (a -0.0 entry reads +0.0). Measured on a v5e at
+  8df6ccf: ts_w's 129 entries at [128, 200, 200] bucket ids took 42 ms
+  gathered and 1.07 ms as a one-hot product; on a CPU the one-hot operand
+  would be materialized (2.6 GB there), so CPUs gather. Reading the n
+  tables in one product builds the one-hot operand once, not n times."""
   if one_hot is None:
     one_hot = jax.devices()[0].platform == "tpu"
   if not one_hot:
     return table[idx]
-  return jnp.einsum("...k,k->...",
-                    jax.nn.one_hot(idx, table.shape[0], dtype=table.dtype),
-                    table, precision=jax.lax.Precision.HIGHEST)
+  return jnp.tensordot(jax.nn.one_hot(idx, table.shape[0], dtype=table.dtype),
+                       table, axes=1, precision=jax.lax.Precision.HIGHEST)
+
+
+def time_bucket_ids(times: jax.Array) -> jax.Array:
+  """int32 `[B, L, L]`: the time bucket of query i, key j from times
+  `[B, L + 1]`, the reference's `ext_timestamps` (hstu.py:128-130):
+  column t + 1 is the time of the item query t predicts, so the gap is
+  times[i + 1] - times[j]."""
+  return time_buckets(times[:, 1:, None] - times[:, None, :-1])
+
+
+def position_bias(pos_w: jax.Array, length: int) -> jax.Array:
+  """`[L, L]` (`[L, L, n]` for n stacked tables `[2 M - 1, n]`): pos_w
+  holds the weight of distance i - j at M - 1 + j - i (the
+  pad/repeat/reshape of hstu.py:123-125,139 for any L <= M). Read by
+  `small_table_lookup`: on TPUs a one-hot product, whose gradient is a
+  product too, not a scatter-add of L * L entries into the table."""
+  middle = (pos_w.shape[0] - 1) // 2
+  i = jnp.arange(length)
+  return small_table_lookup(pos_w, middle + i[None, :] - i[:, None])
 
 
 def relative_bias(pos_w: jax.Array, ts_w: jax.Array,
                   times: jax.Array) -> jax.Array:
   """`[B, L, L]` bias of query i, key j (RelativeBucketedTimeAndPosition-
-  BasedBias.forward, hstu.py:111-143).
-
-  pos_w: `[2 M - 1]`, the weight of distance i - j at M - 1 + j - i (the
-  pad/repeat/reshape of hstu.py:123-125,139 for any L <= M); ts_w:
-  `[NUM_TIME_BUCKETS + 1]`; times: `[B, L + 1]`, the reference's
-  `ext_timestamps` (hstu.py:128-130): column t + 1 is the time of the item
-  query t predicts, so the bias reads times[i + 1] - times[j].
-  """
-  length = times.shape[1] - 1
-  middle = (pos_w.shape[0] - 1) // 2
-  i = jnp.arange(length)
-  positions = pos_w[middle + i[None, :] - i[:, None]]
-  gaps = times[:, 1:, None] - times[:, None, :-1]
-  return positions[None] + small_table_lookup(ts_w, time_buckets(gaps))
+  BasedBias.forward, hstu.py:111-143): `position_bias` of pos_w plus
+  ts_w `[NUM_TIME_BUCKETS + 1]` at `time_bucket_ids(times)`. HSTU reads
+  every block's ts_w in one lookup instead (the same values)."""
+  return (position_bias(pos_w, times.shape[1] - 1)[None]
+          + small_table_lookup(ts_w, time_bucket_ids(times)))
 
 
 def _symmetric_uniform(bound: float):
@@ -112,11 +125,12 @@ class HSTU(model_lib.Encoder):
                  for i in range(self.num_blocks)]
     # torch.nn.Linear with xavier_uniform weights (hstu.py:268-272) and
     # its default bias init.
-    self.out = [nn.Dense(self.dim, name=f"out_{i}",
+    self.out = [nn.Dense(self.dim, name=f"out_{i}", dtype=self.dtype,
                          kernel_init=nn.initializers.xavier_uniform(),
                          bias_init=_symmetric_uniform(1 / math.sqrt(width)))
                 for i in range(self.num_blocks)]
-    self.pos_w = [self.param(f"pos_w_{i}", normal, (2 * self.max_len - 1,))
+    self.pos_w = [self.param(f"pos_w_{i}", normal,
+                             (2 * self.num_positions - 1,))
                   for i in range(self.num_blocks)]
     self.ts_w = [self.param(f"ts_w_{i}", normal, (NUM_TIME_BUCKETS + 1,))
                  for i in range(self.num_blocks)]
@@ -147,12 +161,21 @@ class HSTU(model_lib.Encoder):
     def split(a):  # [B, L, heads * w] -> [B, L, heads, w]
       return a.reshape(a.shape[:2] + (heads, -1))
 
+    dtype = self.dtype
+    keep = keep.astype(dtype)
+    # Every block's biases in one lookup each: [L, L, blocks] of the
+    # positions, [B, L, L, blocks] of the time gaps.
+    position = position_bias(jnp.stack(self.pos_w, axis=-1), length)
+    time_bias = small_table_lookup(jnp.stack(self.ts_w, axis=-1),
+                                   time_bucket_ids(times))
     for i in range(self.num_blocks):
-      u, v, q, k = jnp.split(nn.silu(self.norm(x) @ self.uvqk[i]), 4, axis=-1)
+      uvqk = self.norm(x).astype(dtype) @ self.uvqk[i].astype(dtype)
+      u, v, q, k = jnp.split(nn.silu(uvqk), 4, axis=-1)
       scores = jnp.einsum("bnhd,bmhd->bhnm", split(q), split(k))
-      bias = relative_bias(self.pos_w[i], self.ts_w[i], times)
-      attn = nn.silu(scores + bias[:, None]) / self.max_len * keep
+      bias = (position[None, ..., i] + time_bias[..., i]).astype(dtype)
+      attn = nn.silu(scores + bias[:, None]) / self.num_positions * keep
       out = jnp.einsum("bhnm,bmhd->bnhd", attn, split(v)).reshape(x.shape)
-      x = self.out[i](model_lib.dropout(u * self.norm(out), self.dropout,
+      out = self.norm(out.astype(jnp.float32)).astype(dtype)
+      x = self.out[i](model_lib.dropout(u * out, self.dropout,
                                         next(keys))) + x
     return x * valid[..., None].astype(jnp.float32)

