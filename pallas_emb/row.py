@@ -205,7 +205,7 @@ def _serve_on_owner(layout: StackLayout, backend: str, table,
   partials in rank order and rounds once."""
   ctx = layout.ctx
   bags = (_received_rows(received), routing.weights,
-          jnp.asarray(layout.bag_starts()))
+          layout.bag_starts())
   if isinstance(table, QuantizedRows):  # a serving copy: f32 out
     partials = kernels.pool_dequantized(
         *table, *bags, max_len=layout.max_bag_len, backend=backend,
@@ -250,7 +250,7 @@ def _serve(layout: StackLayout, backend: str, table, routing: RowRouting,
   rows = jnp.concatenate([rows, jnp.zeros((1, rows.shape[1]), rows.dtype)])
   seq = layout.sequence_entries
   bags = (routing.send_slot[seq:], routing.weights,
-          jnp.asarray(_local_bag_starts(layout))) if layout.pooled else ()
+          _local_bag_starts(layout)) if layout.pooled else ()
   served = []
   if quantized:
     rows = quantize.unfuse(rows)

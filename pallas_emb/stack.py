@@ -212,7 +212,7 @@ def gather_served(layout: StackLayout, backend: str, table, keys_all,
     served.append(gather(seq).reshape(w, layout.sequence_entries, -1))
   if layout.pooled:
     pooled = pool(rows[:, layout.sequence_entries:].reshape(-1),
-                  weights_all.reshape(-1), jnp.asarray(layout.bag_starts()),
+                  weights_all.reshape(-1), layout.bag_starts(),
                   max_len=layout.max_bag_len)
     served.append(pooled.reshape(w, layout.pooled_bags, -1))
   return jnp.concatenate(served, axis=1) if len(served) > 1 else served[0]

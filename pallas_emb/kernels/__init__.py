@@ -26,6 +26,8 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING
 
+import jax.numpy as jnp
+
 from pallas_emb.kernels import common
 from pallas_emb.kernels import reference  # pylint: disable=unused-import
 from pallas_emb.kernels import xla
@@ -177,6 +179,8 @@ def pool_rows(table, rows, weights, bag_starts, *, max_len: int,
   `gather_rows`'.
   """
   impl = _implementation(backend, table)
+  if impl != "mosaic_tpu":  # (the Mosaic pool lays bags out from numpy ones)
+    bag_starts = jnp.asarray(bag_starts)
   if impl == "triton":
     from pallas_emb.kernels.triton import pool  # pylint: disable=g-import-not-at-top
     return pool.pool_rows(table, rows, weights, bag_starts, max_len=max_len,
@@ -208,6 +212,7 @@ def pool_dequantized(codes, scale, bias, rows, weights, bag_starts, *,
                      max_len: int, backend: str, config=None):
   """f32 `[M, S]` weighted sums of dequantized rows of CSR bags (as
   `pool_rows`, accumulated and returned in f32)."""
+  bag_starts = jnp.asarray(bag_starts)
   if _implementation(backend) != "triton":
     return xla.pool_dequantized(codes, scale, bias, rows, weights,
                                 bag_starts, max_len=max_len)
