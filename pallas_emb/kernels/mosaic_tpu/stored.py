@@ -66,9 +66,12 @@ def logical_dtype(table) -> np.dtype:
 
 
 def is_stored(array, width: int) -> bool:
-  """Whether `array` `[rows, *]` is a stored table of `width` columns (and
-  not the logical `[rows, width]` f32 / bf16 table)."""
-  return array.dtype == WORD or array.shape[-1] != width
+  """Whether `array` `[rows, *]` is a stored table of `width` columns (an
+  f32 table of whole 128-lane rows is its own stored form)."""
+  if array.dtype == WORD:
+    return array.shape[-1] == stored_width(width, jnp.bfloat16)
+  return (array.dtype == jnp.float32
+          and array.shape[-1] == stored_width(width, jnp.float32))
 
 
 def _pad_columns(x: jax.Array, columns: int) -> jax.Array:
