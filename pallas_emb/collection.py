@@ -307,14 +307,19 @@ class EmbeddingCollection:
     f32 rounding); "bfloat16" / "float16": the tables cast (`lookup`
     returns that dtype). Every placement: the copy lies where the
     stack's table does. No optimizer state; `lookup_and_route`,
-    `apply_gradients` and the Trainer refuse it. A table with a non-finite
-    row cannot be quantized to int8 (InputError).
+    `apply_gradients` and the Trainer refuse it. Rows the copy cannot hold
+    (an int8 row with a NaN or an infinity, or whose max - min overflows;
+    a value a cast makes infinite: `quantize.unservable_rows`) are one
+    InputError naming every such table and its rows.
     """
     self._check_state(state)
     name = quantize_lib.check_serving_dtype(dtype)
+    tables = {s.name: placement_lib.as_logical(state.stacks[s.name].table)
+              for s in self.plan.stacks}
+    state_lib.check_servable(self.plan, tables, name)
     return ServingState(
-        {s.name: quantize_lib.quantize_rows(
-            placement_lib.as_logical(state.stacks[s.name].table), name)
+        {s.name: quantize_lib.quantize_rows(tables[s.name], name,
+                                            check=False)
          for s in self.plan.stacks}, name, self.plan.fingerprint,
         state_lib.serving_layouts(self.plan))
 

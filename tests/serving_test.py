@@ -28,6 +28,7 @@ import numpy as np
 import pallas_emb as pe
 from pallas_emb import checkpoint
 from pallas_emb import export
+from pallas_emb import placement as placement_lib
 from pallas_emb import quantize
 from pallas_emb.state import ServingState
 from pallas_emb.testing import hlo
@@ -323,6 +324,104 @@ class ServingTest(parameterized.TestCase):
     with self.assertRaisesRegex(pe.CheckpointError,
                                 "target tree does not match"):
       checkpoint.restore_serving(directory, coll, other)
+
+
+
+# Unservable rows: every placement in one collection, two tables per stack
+# (so that a stack's physical rows are not a table's logical rows).
+PLACEMENTS = ("column", "row", "table", "replicated")
+BAD_ROWS = {7: np.nan, 12: np.inf, 13: -np.inf}  # at columns 1, 5, 6
+SPAN_ROW = 17  # 3e38 and -3e38: max - min overflows float32
+
+
+def unservable_collection(ranks, explicit):
+  specs = [pe.TableSpec(f"{p}{i}", 20 + 10 * i, 8, optimizer=None,
+                        placement=p) for p in PLACEMENTS for i in (1, 2)]
+  return pe.EmbeddingCollection(
+      specs, [pe.FeatureSpec(t.name, t.name) for t in specs],
+      test_util.mesh({"x": ranks}, explicit=explicit), "x", backend="xla")
+
+
+def unservable_tables(coll, bad):
+  """Random logical tables; the second table of each placement with `bad`
+  values (`{row: value}`) at columns 1, 5 and 6 in turn."""
+  rng = np.random.default_rng(3)
+  out = {}
+  for name, spec in coll.tables.items():
+    t = rng.standard_normal((spec.vocab_rows, spec.emb_width)).astype(F32)
+    if name.endswith("2"):
+      for (row, value), column in zip(bad.items(), (1, 5, 6)):
+        t[row, column] = value
+    out[name] = t
+  return out
+
+
+class UnservableRowsTest(parameterized.TestCase):
+  """`coll.quantize` names every logical row a serving copy cannot hold,
+  on every placement, both mesh kinds and 1, 2 or 8 ranks; the rows it
+  serves are the numpy model's."""
+
+  @parameterized.product(ranks=(1, 2, 8), explicit=(False, True))
+  def test_int8_names_every_bad_row_of_every_table(self, ranks, explicit):
+    coll = unservable_collection(ranks, explicit)
+    host = unservable_tables(coll, BAD_ROWS)
+    for p in PLACEMENTS:
+      host[f"{p}2"][SPAN_ROW, [2, 3]] = 3e38, -3e38
+    state = coll.state_from_arrays(host)
+    with self.assertRaises(pe.InputError) as raised:
+      coll.quantize(state, "int8")
+    message = str(raised.exception)
+    self.assertIn(f"{4 * 4} table rows cannot be served as int8", message)
+    for p in PLACEMENTS:
+      self.assertIn(f"table '{p}2' rows [7, 12, 13]: a NaN or an infinity",
+                    message)
+      self.assertIn(f"table '{p}2' row 17: max - min overflows float32",
+                    message)
+      self.assertNotIn(f"'{p}1'", message)
+
+  @parameterized.product(ranks=(2, 8), explicit=(False, True))
+  def test_int8_rows_of_every_placement_match_numpy_model(self, ranks,
+                                                          explicit):
+    """Finite tables: scale and bias equal the numpy model's bit for bit,
+    and every value reads back within scale / 2 (+ f32 rounding)."""
+    coll = unservable_collection(ranks, explicit)
+    host = unservable_tables(coll, {})
+    serving = coll.quantize(coll.state_from_arrays(host), "int8")
+    for stack in coll.plan.stacks:
+      served = [placement_lib.from_physical(stack, test_util.as_numpy(x))
+                for x in serving.stacks[stack.name]]
+      for name, codes, scale, bias in zip(stack.tables, *served):
+        want_codes, want_scale, want_bias = quantize_test.np_quantize(
+            host[name])
+        test_util.assert_bits_equal(self, scale, want_scale, name)
+        test_util.assert_bits_equal(self, bias, want_bias, name)
+        test_util.assert_bits_equal(self, codes, want_codes, name)
+        back = quantize_test.np_dequantize(codes, scale, bias)
+        x = host[name].astype(np.float64)
+        bound = (want_scale[:, None] / 2 +
+                 16 * U * np.abs(x).max(1, keepdims=True))
+        self.assertTrue(np.all(np.abs(back - x) <= bound), name)
+
+  @parameterized.product(ranks=(1, 8), explicit=(False, True))
+  def test_float16_names_values_beyond_its_range(self, ranks, explicit):
+    """1e5 would be served as inf by float16: an error naming the rows;
+    bfloat16 holds it, and NaN / inf stay what they are in a cast."""
+    coll = unservable_collection(ranks, explicit)
+    host = unservable_tables(coll, {3: 1e5, 4: -7e4, 5: np.nan})
+    state = coll.state_from_arrays(host)
+    with self.assertRaises(pe.InputError) as raised:
+      coll.quantize(state, "float16")
+    message = str(raised.exception)
+    self.assertIn("8 table rows cannot be served as float16", message)
+    for p in PLACEMENTS:
+      self.assertIn(f"table '{p}2' rows [3, 4]: a finite value beyond "
+                    "float16's range (largest 65504)", message)
+    serving = coll.quantize(state, "bfloat16")
+    got = test_util.as_numpy(serving.stacks[coll.plan.stacks[0].name])
+    table = placement_lib.from_physical(coll.plan.stacks[0], got)[1]
+    test_util.assert_bits_equal(
+        self, table, host[coll.plan.stacks[0].tables[1]].astype(
+            test_util.BF16))
 
 
 # Runs in the fresh process: argv[1] the export, argv[2] the batch (.npz).
