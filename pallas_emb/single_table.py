@@ -62,8 +62,9 @@ class DedupResult(NamedTuple):
   unique_tokens: int32 `[num_unique]`, sorted, padded with FILL_VALUE;
     identical on every rank.
   segment_ids: int32, shaped and sharded like the token ids: each token's
-    index into unique_tokens; -1 for the padding id, ids outside the table
-    (after one wrap) and tokens that did not fit (no gradient).
+    index into unique_tokens; -1 for ids that reach the padding row, ids
+    outside the table (after one wrap) and tokens that did not fit (no
+    gradient).
   num_distinct: int32 scalar, distinct rows the batch trains.
   num_overflow: int32 scalar, distinct rows that did not fit in num_unique.
   """
@@ -133,7 +134,7 @@ def lookup_with_padding(ctx: EmbeddingContext, table: jax.Array, token_ids,
   """`lookup` with another padding id than the context's (the layers')."""
   validation.check_table(ctx, table)
   token_ids = _ids(ctx, token_ids)
-  validation.check_padding_id(padding_id)
+  validation.check_padding_id(padding_id, table.shape[0], "lookup")
   coll = _facade(ctx, table.shape[0], table.dtype, padding_id=padding_id,
                  backend=backend, kernel_config=kernel_config)
   return coll.lookup(_state(coll, table), {_FEATURE: token_ids})[_FEATURE]

@@ -206,9 +206,10 @@ def make_context(mesh: jax.sharding.Mesh,
       count); informs collective placement only.
     replica_axis: optional mesh axis name(s) over which the whole table is
       replicated; tokens are then sharded over replica_axis + data_axis.
-    padding_id: the id that marks padding: it is looked up like any id but
-      gets no gradient (the reference's convention, 0); None makes every id
-      a real row.
+    padding_id: the id of the padding row (the reference's convention,
+      0): the row is looked up like any other but gets no gradient,
+      whatever id reaches it after the wrap and clamp (with 0, also
+      -vocab_rows); None makes every id a real row.
   """
   table_axis, data_axis, replica_axis = check_layout(
       mesh, table_axis, data_axis, replica_axis, "make_context")
@@ -241,12 +242,22 @@ def make_context(mesh: jax.sharding.Mesh,
   )
 
 
-def check_padding_id(padding_id) -> None:
+def check_padding_id(padding_id, vocab_rows: int | None = None,
+                     what: str = "") -> None:
+  """An int id or None; with `vocab_rows`, an id of a row of the table
+  (`[-vocab_rows, vocab_rows)`: the padding row is the one it reaches)."""
   if padding_id is not None and (isinstance(padding_id, bool) or
                                  not isinstance(padding_id, (int, np.integer))):
     raise InputError(
         f"pallas_emb padding_id={padding_id!r} must be an int id or None "
         "(None: every id is a real row that trains).")
+  if (padding_id is not None and vocab_rows is not None
+      and not -vocab_rows <= padding_id < vocab_rows):
+    raise InputError(
+        f"pallas_emb {what + ' ' if what else ''}padding_id={padding_id} is "
+        f"not a row of its {vocab_rows}-row table; expected an id in "
+        f"[{-vocab_rows}, {vocab_rows}) (the row it reaches is the padding "
+        "row), or None.")
 
 
 # --- per-call checks (shapes, dtypes, shardings, backend) --------------------

@@ -315,11 +315,8 @@ def model_distinct_rows(coll, batch, weights=None):
   rows = {name: [] for name in coll.tables}
   for f in coll.features.values():
     table = coll.tables[f.table]
-    ids = np.asarray(batch[f.name]).reshape(-1).astype(np.int64)
-    r = np.where(ids < 0, ids + table.vocab_rows, ids)
-    keep = (r >= 0) & (r < table.vocab_rows)
-    if table.padding_id is not None:
-      keep &= ids != table.padding_id
+    r, keep, _ = numpy_model.resolve(np.asarray(batch[f.name]).reshape(-1),
+                                     table.vocab_rows, table.padding_id)
     if f.name in weights:
       keep &= np.asarray(weights[f.name]).reshape(-1) != 0
     rows[f.table].append(r[keep])
@@ -639,6 +636,11 @@ class ValidationTest(parameterized.TestCase):
        "max_unique=0 must be a positive integer"),
       (lambda o: pe.TableSpec("t", 10, 8, optimizer=o, padding_id=1.5),
        "padding_id=1.5 must be an int id or None"),
+      (lambda o: pe.TableSpec("t", 10, 8, optimizer=o, padding_id=10),
+       r"TableSpec 't' padding_id=10 is not a row of its 10-row table; "
+       r"expected an id in \[-10, 10\)"),
+      (lambda o: pe.TableSpec("t", 10, 8, optimizer=o, padding_id=-11),
+       r"padding_id=-11 is not a row"),
       (lambda o: pe.FeatureSpec("f", "t", weighted=True),
        "weighted=True needs a combiner"),
   )

@@ -32,6 +32,7 @@ from pallas_emb import placement as placement_lib
 from pallas_emb import quantize
 from pallas_emb.state import ServingState
 from pallas_emb.testing import hlo
+import numpy_model
 import quantize_test
 
 F32 = np.float32
@@ -108,11 +109,10 @@ def np_served_table(table, dtype):
 
 
 def np_rows(ids, vocab):
-  ids = np.asarray(ids, np.int64)
-  return np.clip(np.where(ids < 0, ids + vocab, ids), 0, vocab - 1)
+  return numpy_model.wrap_clamp(ids, vocab)
 
 
-def np_combiner_weights(bag, combiner, padding_id):
+def np_combiner_weights(bag, combiner, padding_id, vocab):
   if isinstance(bag, pe.Bag):
     ids = np.asarray(bag.ids)
     if bag.weights is not None:
@@ -123,8 +123,7 @@ def np_combiner_weights(bag, combiner, padding_id):
   else:
     ids = np.asarray(bag)
     w = np.ones(ids.shape, F32)
-  if padding_id is not None:
-    w = np.where(ids == padding_id, F32(0), w)
+  w = np.where(numpy_model.resolve(ids, vocab, padding_id)[2], F32(0), w)
   if combiner == "sum":
     return ids, w
   total = (w.sum(1, keepdims=True, dtype=F32) if combiner == "mean" else
@@ -145,7 +144,8 @@ def np_lookup(host, batch, dtype):
       out[f.name] = served[np_rows(batch[f.name], spec.vocab_rows)].astype(
           out_dtype)
       continue
-    ids, w = np_combiner_weights(batch[f.name], f.combiner, spec.padding_id)
+    ids, w = np_combiner_weights(batch[f.name], f.combiner, spec.padding_id,
+                                 spec.vocab_rows)
     rows = np_rows(ids, spec.vocab_rows)
     acc = np.zeros((ids.shape[0], spec.emb_width), F32)
     for k in range(ids.shape[1]):
