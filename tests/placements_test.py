@@ -398,6 +398,49 @@ class ExplicitMeshTest(parameterized.TestCase):
           np.float32)).all() for x in fresh if x.dtype.kind == "f"))
     self.assertEqual(auto.plan.describe(), explicit.plan.describe())
 
+  def _small_pair(self):
+    """One small collection on both mesh kinds, and a batch."""
+    specs = [pe.TableSpec("t", 20, 8, optimizer=pe.Sgd(0.5))]
+    features = [pe.FeatureSpec("f", "t")]
+    return [pe.EmbeddingCollection(specs, features, test_util.mesh(
+        {"x": 2}, explicit=explicit), "x", backend="xla")
+            for explicit in (False, True)], {"f": np.int32([3, -1, 7, 3])}
+
+  def test_states_and_routings_move_between_mesh_kinds(self):
+    """A state, routing or serving state of the collection built on one
+    mesh kind is read by the same collection on the other, relabelled (the
+    same buffers, no copy)."""
+    (auto, explicit), batch = self._small_pair()
+    for source, target in ((auto, explicit), (explicit, auto)):
+      state = test_util.random_state(source, 0)
+      emb, routing = source.lookup_and_route(state, batch)
+      want, _ = source.apply_gradients(state, routing, emb)
+      serving = source.quantize(state, "int8")
+      for got, expected in zip(
+          jax.tree.leaves((target.lookup(state, batch),
+                           target.apply_gradients(state, routing, emb)[0],
+                           target.lookup(serving, batch))),
+          jax.tree.leaves((emb, want, source.lookup(serving, batch)))):
+        test_util.assert_bits_equal(self, got, test_util.as_numpy(expected))
+      placed = target._tables(state)  # pylint: disable=protected-access
+      for table, stack in zip(placed, source.plan.stacks):
+        pointers = lambda x: [s.data.unsafe_buffer_pointer()
+                              for s in x.addressable_shards]
+        self.assertEqual(pointers(table),
+                         pointers(state.stacks[stack.name].table))
+
+  @parameterized.parameters(False, True)
+  def test_a_batch_on_one_device_is_placed(self, explicit):
+    """`jax.device_put(ids, devices[3])` (committed to a device outside
+    the 2-rank mesh) is placed like any batch, on both mesh kinds."""
+    colls, batch = self._small_pair()
+    coll = colls[explicit]
+    state = test_util.random_state(coll, 0)
+    moved = {k: jax.device_put(v, jax.devices()[3]) for k, v in batch.items()}
+    for got, want in zip(jax.tree.leaves(coll.lookup(state, moved)),
+                         jax.tree.leaves(coll.lookup(state, batch))):
+      test_util.assert_bits_equal(self, got, test_util.as_numpy(want))
+
   def test_checkpoint_moves_between_mesh_kinds(self):
     (auto, _, _), (explicit, _, _) = self._pair()
     for source, target in ((auto, explicit), (explicit, auto)):
