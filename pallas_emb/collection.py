@@ -103,7 +103,7 @@ class EmbeddingCollection:
     self.group_size = validation.axes_size(mesh, self.table_axis)
     self.num_replicas = validation.axes_size(mesh, self.replica_axis)
     self.backend = validation.resolve_backend(mesh, backend)
-    platform = mesh.devices.flat[0].platform
+    self.platform = platform = mesh.devices.flat[0].platform
     self.dedup = validation.check_dedup(dedup, self.backend,
                                         "EmbeddingCollection", platform)
     if platform == "cpu":
@@ -361,6 +361,12 @@ class EmbeddingCollection:
   def _check_state(self, state) -> None:
     state_lib.check_state(self.plan, state, self.backend)
 
+  def _check_runs(self, *args) -> None:
+    """A Pallas backend of an accelerator on concrete CPU arrays: one clear
+    error before tracing (`validation.check_runs_on`)."""
+    validation.check_runs_on(self.backend, self.platform, args[:-1],
+                             f"collection {args[-1]}")
+
   def _tables(self, state: CollectionState) -> tuple[jax.Array, ...]:
     self._check_state(state)
     return exchange.place_state(
@@ -395,6 +401,7 @@ class EmbeddingCollection:
     int8 state's embeddings are float32, pooled in f32; a bf16 / f16
     state's are in that dtype), and the lookup is not differentiable.
     """
+    self._check_runs(state, batch, "lookup")
     if isinstance(state, ServingState):
       return self._serve(state, batch)
     inputs = self._read(batch)
@@ -431,6 +438,7 @@ class EmbeddingCollection:
     of the ids per stack (what the `Trainer` calls). With dedup="slot_map"
     the routing carries the state's slot maps on to `apply_gradients`,
     which puts them back into the state (donated: no copy)."""
+    self._check_runs(state, batch, "lookup_and_route")
     inputs = self._read(batch)
     layouts = self._layouts(inputs.shapes(), inputs.implicit)
     fn = functools.partial(per_rank.lookup_per_rank, self.backend,
@@ -511,6 +519,7 @@ class EmbeddingCollection:
       `raise_if_overflow` outside jit.
     """
     self._check_state(state)
+    self._check_runs(state, emb_grads, "apply_gradients")
     routing = (batch_or_routing if isinstance(batch_or_routing, Routing)
                else self.route(batch_or_routing, state))
     state_lib.check_routing(self.plan, self.features, routing)

@@ -211,6 +211,8 @@ def lookup_and_dedup(ctx: EmbeddingContext, table: jax.Array, token_ids, *,
   token_ids = _ids(ctx, token_ids)
   coll = _facade(ctx, table.shape[0], table.dtype, backend=backend,
                  kernel_config=kernel_config)
+  validation.check_runs_on(coll.backend, coll.platform, (table, token_ids),
+                           "lookup_and_dedup")
   (layout,) = coll._layouts(((_FEATURE, tuple(token_ids.shape)),))  # pylint: disable=protected-access
   fn = functools.partial(_lookup_and_dedup_per_rank, ctx, layout,
                          coll.backend, kernel_config)
@@ -288,6 +290,8 @@ def apply_gradients(ctx: EmbeddingContext, opt, table: jax.Array, opt_state,
   opt.check_state(opt_state, table.shape)
   coll = _facade(ctx, table.shape[0], table.dtype, opt, backend=backend,
                  kernel_config=kernel_config)
+  validation.check_runs_on(coll.backend, coll.platform, (table, emb_grads),
+                           "apply_gradients")
   (layout,) = coll._layouts(((_FEATURE, tuple(segment_ids.shape)),))  # pylint: disable=protected-access
   tokens = exchange.token_spec(ctx)
   state_spec = opt.state_specs(exchange.table_spec(ctx))

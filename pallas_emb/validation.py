@@ -300,6 +300,33 @@ def resolve_backend(mesh_or_ctx, backend: str | None) -> str:
   return backend
 
 
+# The Pallas backends that compile for an accelerator, and the interpreter
+# that runs the same kernels on a CPU.
+_COMPILED = {"triton": ("GPU", "interpret"),
+             "mosaic_tpu": ("TPU", "mosaic_tpu_interpret")}
+
+
+def check_runs_on(backend: str, platform: str, args, where: str) -> None:
+  """InputError if `backend` compiles for an accelerator but `args` (the
+  call's arrays) are concrete arrays on `platform` "cpu": they would run
+  there, which Pallas cannot. Under a trace nothing runs here (a step may
+  be lowered for the accelerator from a CPU), so tracers pass."""
+  if backend not in _COMPILED or platform != "cpu":
+    return
+  if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(args)):
+    return
+  target, interpreter = _COMPILED[backend]
+  raise InputError(
+      f"pallas_emb {where}: backend={backend!r} compiles its kernels for "
+      f"{target}s, but the arrays are on platform 'cpu', where Pallas runs "
+      f"kernels in interpret mode only. Use backend={interpreter!r} to run "
+      "the same kernels on the CPU (of the interpreters, 'interpret' runs "
+      "the Triton kernels, 'mosaic_tpu_interpret' the Mosaic ones), or "
+      "'xla'; keep "
+      f"{backend!r} to lower a step for {target} from the CPU "
+      "(jax.jit(step).trace(...).lower(lowering_platforms=...)).")
+
+
 DEDUPS = ("sort", "slot_map")
 
 

@@ -729,5 +729,50 @@ class ValidationTest(parameterized.TestCase):
       coll.lookup(bad, batch)
 
 
+
+class AcceleratorBackendOnCpuTest(parameterized.TestCase):
+  """`backend="triton"` / `"mosaic_tpu"` on a CPU mesh: accepted (a step
+  lowers for the accelerator from the CPU), but the first eager lookup or
+  update is the library's InputError naming the backend, the platform and
+  the interpreters, not Pallas' own."""
+
+  @parameterized.parameters(("triton", "GPU", "cuda"),
+                            ("mosaic_tpu", "TPU", "tpu"))
+  def test_eager_calls_say_which_interpreter(self, backend, target,
+                                             platform):
+    mesh = test_util.mesh({"x": 2})
+    opt = pe.Sgd(0.1)
+    coll = pe.EmbeddingCollection([pe.TableSpec("t", 16, 8, optimizer=opt)],
+                                  [pe.FeatureSpec("f", "t")], mesh, "x",
+                                  backend=backend)
+    state = test_util.random_state(coll, 0)
+    batch = {"f": np.int32([1, 2, 3, 4])}
+    grads = {"f": np.ones((4, 8), np.float32)}
+    message = (rf"backend='{backend}' compiles its kernels for {target}s, "
+               r"but the arrays are on platform 'cpu'.*'interpret' runs the "
+               r"Triton kernels, 'mosaic_tpu_interpret' the Mosaic ones")
+    ctx = pe.make_context(mesh, "x", tokens_per_batch=4, emb_width=8,
+                          num_unique=5)
+    table = state.stacks["stack0"].table
+    for call in (lambda: coll.lookup(state, batch),
+                 lambda: coll.lookup_and_route(state, batch),
+                 lambda: coll.apply_gradients(state, batch, grads),
+                 lambda: coll.lookup(coll.quantize(state, "int8"), batch),
+                 lambda: pe.lookup(ctx, table, batch["f"], backend=backend),
+                 lambda: pe.lookup_and_dedup(ctx, table, batch["f"],
+                                             backend=backend),
+                 lambda: pe.apply_gradients(
+                     ctx, opt, table, opt.init(ctx, table), grads["f"],
+                     pe.dedup(ctx, batch["f"], vocab_rows=16),
+                     backend=backend)):
+      with self.assertRaisesRegex(pe.InputError, message):
+        call()
+    # Traced, nothing runs on the CPU: the step lowers for the accelerator.
+    lowered = jax.jit(coll.lookup).trace(state, batch).lower(
+        lowering_platforms=(platform,))
+    self.assertIn("tpu_custom_call" if platform == "tpu" else
+                  "__gpu$xla.gpu.triton", lowered.as_text())
+
+
 if __name__ == "__main__":
   absltest.main()
