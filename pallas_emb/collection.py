@@ -399,7 +399,14 @@ class EmbeddingCollection:
     `state` may be a `ServingState` (`quantize`): the rows are then read
     from the serving copy, dequantized inside the gather and the pool (an
     int8 state's embeddings are float32, pooled in f32; a bf16 / f16
-    state's are in that dtype), and the lookup is not differentiable.
+    state's are in that dtype). Its embeddings may feed a differentiated
+    model (gradients w.r.t. the dense params flow as usual), and the
+    lookup is differentiable w.r.t. the copies in `serving.stacks` too,
+    by the same dense cotangent of the rows read: a cast copy's is that
+    cotangent; an int8 copy's uint8 codes get none (float0: pass
+    `allow_int=True` to `jax.grad`), each row's scale `sum(codes[r] *
+    ct[r])` and bias `sum(ct[r])`. `serving.layouts` are ints:
+    differentiate w.r.t. `serving.stacks`.
     """
     self._check_runs(state, batch, "lookup")
     if isinstance(state, ServingState):
@@ -407,13 +414,14 @@ class EmbeddingCollection:
     inputs = self._read(batch)
     layouts = self._layouts(inputs.shapes(), inputs.implicit)
     outs = per_rank.collection_lookup(
-        self, layouts, self._tables(state), self._placed(inputs.ids),
+        self, layouts, self._table_specs(), self._tables(state),
+        self._placed(inputs.ids),
         self._placed_weights(inputs.weights))
     return dict(zip(self.features, outs))
 
   def _serve(self, state: ServingState, batch) -> dict[str, jax.Array]:
-    """`lookup` of a serving state: the collection's per-rank lookup over
-    the serving tables, without the differentiable wrapper."""
+    """`lookup` of a serving state: the same per-rank lookup and dense
+    cotangents, over the serving copies."""
     state_lib.check_serving(self.plan, state)
     inputs = self._read(batch)
     layouts = self._layouts(inputs.shapes(), inputs.implicit)
@@ -421,15 +429,9 @@ class EmbeddingCollection:
     tables = exchange.place_state(
         tuple(state.stacks[s.name] for s in self.plan.stacks), specs,
         self.mesh, "serving state")
-    fn = functools.partial(per_rank.lookup_per_rank, self.backend,
-                           self.kernel_config, self._order(), layouts,
-                           route=False)
-    outs = exchange.shard(
-        layouts[0].ctx, fn,
-        in_specs=(specs, self._feature_specs(), self._pooled_specs()),
-        out_specs=self._feature_specs(),
-    )(tables, self._placed(inputs.ids),
-      self._placed_weights(inputs.weights))
+    outs = per_rank.collection_lookup(
+        self, layouts, specs, tables, self._placed(inputs.ids),
+        self._placed_weights(inputs.weights))
     return dict(zip(self.features, outs))
 
   def lookup_and_route(self, state: CollectionState, batch
@@ -597,7 +599,8 @@ class EmbeddingCollection:
     """Host-side: raises if a table's batch had more distinct rows than its
     `TableSpec.max_unique` (or, row and table placements, more for one
     owner than `max_ids_per_partition`): the only ways a buffer
-    overflows."""
+    overflows. The error names every stack that overflowed."""
+    over = []
     for stack in self.plan.stacks:
       overflow = int(jax.device_get(stats[stack.name].num_overflow))
       if overflow:
@@ -605,10 +608,12 @@ class EmbeddingCollection:
         field = "max_ids_per_partition" if owners else "max_unique"
         capped = [t for t in stack.tables
                   if getattr(self.tables[t], field) is not None]
-        raise UniqueOverflowError(
-            f"pallas_emb {stack.name}: tables {capped} had {overflow} more "
-            f"distinct ids in one batch than their {field} caps hold; "
-            "those ids' gradients were not applied"
+        over.append(
+            f"{stack.name}: tables {capped} had {overflow} more distinct ids "
+            f"in one batch than their {field} caps hold; those ids' "
+            "gradients were not applied"
             f"{' and their rows were served as zeros' if owners else ''}. "
             f"Raise or drop {field} of these tables (fit_{field} with more "
             "headroom).")
+    if over:  # every overflowing stack, one sentence each
+      raise UniqueOverflowError("pallas_emb " + " ".join(over))

@@ -288,6 +288,31 @@ class StackingTest(absltest.TestCase):
     _, stats = coll.apply_gradients(state, {"f": np.ones(8, np.int32)}, grads)
     coll.raise_if_overflow(stats)
 
+  def test_overflow_names_every_stack(self):
+    """Two stacks over their caps in one step (a column table's max_unique,
+    a row table's max_ids_per_partition): both are named."""
+    tables = [pe.TableSpec("a", 100, 8, optimizer=pe.Sgd(0.1), max_unique=2),
+              pe.TableSpec("b", 100, 4, optimizer=pe.Sgd(0.1)),
+              pe.TableSpec("c", 100, 8, optimizer=pe.Sgd(0.1),
+                           placement="row", max_ids_per_partition=1)]
+    coll = pe.EmbeddingCollection(
+        tables, [pe.FeatureSpec(t.name, t.name) for t in tables], self.mesh,
+        "x", backend="xla")
+    batch = {name: np.arange(1, 9, dtype=np.int32) for name in "ab"}
+    batch["c"] = np.int32([1, 5, 2, 6, 3, 7, 4, 8])  # a rank's 2 ids: 1 owner
+    grads = {name: np.ones((8, t.emb_width), np.float32)
+             for name, t in zip("abc", tables)}
+    _, stats = coll.apply_gradients(test_util.random_state(coll, 0), batch,
+                                    grads)
+    self.assertEqual([int(s.num_overflow) for s in stats.values()],
+                     [6, 0, 4])
+    with self.assertRaisesRegex(
+        pe.UniqueOverflowError,
+        r"pallas_emb stack0: tables \['a'\] had 6 more distinct ids .* "
+        r"max_unique .*\. stack2: tables \['c'\] had 4 more distinct ids "
+        r".*max_ids_per_partition"):
+      coll.raise_if_overflow(stats)
+
   def test_non_finite_gradient_skips_the_stack(self):
     coll = pe.EmbeddingCollection(self.tables, self.features, self.mesh, "x")
     state = test_util.random_state(coll, 4)

@@ -10,6 +10,7 @@ once to the output dtype (f32 for int8). Also: the int8 error bound, the
 checks, a checkpoint round trip, and an export loaded in a fresh process.
 """
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -236,6 +237,62 @@ class ServingTest(parameterized.TestCase):
     self.assertEqual((found["all-to-all"]["count"],
                       found["all-to-all"]["operand_bytes"]),
                      (2, 4 * 3 * 4 + 4 * 3 * (16 + 8)), str(found))
+
+  @parameterized.parameters(("int8", ("column", "row", "replicated")),
+                            ("bfloat16", ("table", "column", "row")))
+  def test_jax_grad_through_a_serving_lookup(self, dtype, placements):
+    """Gradients w.r.t. the serving copies: per table, the dense cotangent
+    G of the rows read (every entry that trains adds its embedding's
+    cotangent times its combiner weight); an int8 row's scale gets
+    sum(codes * G), its bias sum(G); a cast copy gets G."""
+    coll = make_collection(2, "xla", placements)
+    serving = coll.quantize(self.state(coll), dtype)
+    batch = make_batch()
+    rng = np.random.default_rng(7)
+    out_dtype = F32 if dtype == "int8" else CASTS[dtype]
+    cts = {k: rng.standard_normal(v.shape).astype(out_dtype)
+           for k, v in coll.lookup(serving, batch).items()}
+
+    def loss(stacks):
+      out = coll.lookup(dataclasses.replace(serving, stacks=stacks), batch)
+      return sum(jnp.sum(out[k].astype(F32) * cts[k].astype(F32))
+                 for k in out)
+
+    grads = jax.grad(loss, allow_int=True)(serving.stacks)
+    specs = {t.name: t for t in tables(placements)}
+    dense = {name: np.zeros((t.vocab_rows, t.emb_width), np.float64)
+             for name, t in specs.items()}
+    for f in features():
+      spec = specs[f.table]
+      ct = cts[f.name].astype(np.float64)
+      if f.combiner is None:
+        ids, g = np.asarray(batch[f.name]), ct
+      else:
+        ids, w = np_combiner_weights(batch[f.name], f.combiner,
+                                     spec.padding_id, spec.vocab_rows)
+        g = w[..., None] * ct[:, None, :]
+      rows, trains, _ = numpy_model.resolve(ids, spec.vocab_rows,
+                                            spec.padding_id)
+      np.add.at(dense[f.table], rows[trains], g[trains])
+    for stack in coll.plan.stacks:
+      got = jax.tree.map(
+          lambda x, stack=stack: placement_lib.from_physical(
+              stack, test_util.as_numpy(x).astype(np.float64))
+          if x.dtype != jax.dtypes.float0 else None, grads[stack.name])
+      served = jax.tree.map(
+          lambda x, stack=stack: placement_lib.from_physical(
+              stack, test_util.as_numpy(x)), serving.stacks[stack.name])
+      for i, name in enumerate(stack.tables):
+        if dtype == "int8":
+          self.assertEqual(grads[stack.name].codes.dtype, jax.dtypes.float0)
+          codes = served.codes[i].astype(np.float64)
+          want = ((codes * dense[name]).sum(1), dense[name].sum(1))
+          for x, y in zip((got.scale[i], got.bias[i]), want):
+            np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-5,
+                                       err_msg=name)
+        else:
+          np.testing.assert_allclose(got[i], dense[name], rtol=2**-7,
+                                     atol=1e-6, err_msg=name)
 
   def test_int8_sequence_error_bound(self):
     """|served - f32 lookup| <= scale / 2 + 16 u max(|min|, |max|)."""
