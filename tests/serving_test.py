@@ -378,8 +378,9 @@ class ServingTest(parameterized.TestCase):
       test_util.assert_bits_equal(self, got[name],
                                   test_util.as_numpy(want[name]), name)
     other = "bfloat16" if dtype == "int8" else "int8"
-    with self.assertRaisesRegex(pe.CheckpointError,
-                                "target tree does not match"):
+    with self.assertRaisesRegex(
+        pe.CheckpointError, rf"holds an? {dtype} serving state .*, not an? "
+        rf"{other} serving state; restore it with dtype='{dtype}'"):
       checkpoint.restore_serving(directory, coll, other)
 
 
