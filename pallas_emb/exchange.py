@@ -115,9 +115,12 @@ def place_table(ctx: EmbeddingContext, table: jax.Array) -> jax.Array:
   A committed table on another sharding was rejected by
   `validation.check_table`: moving a huge table silently is not our call.
   """
+  sharding = table_sharding(ctx)
   if validation.is_committed(table):
-    return relabel(table, table_sharding(ctx), lambda: "")
-  return place(table, table_sharding(ctx))
+    return relabel(table, sharding, lambda: (
+        f"pallas_emb table is sharded as {table.sharding}; expected "
+        f"{sharding.spec}."))
+  return place(table, sharding)
 
 
 def place_tokens(ctx: EmbeddingContext, x: jax.Array) -> jax.Array:
