@@ -112,8 +112,11 @@ def _complete_steps(path) -> list[int]:
 
 
 def latest_step(directory) -> int | None:
-  """Highest complete step saved under `directory`, or None if there is none."""
-  steps = _complete_steps(_dir(directory))
+  """Highest complete step saved under `directory`, or None if there is none
+  (a CheckpointError if `directory` is a file)."""
+  root = _dir(directory)
+  _not_a_file(root)
+  steps = _complete_steps(root)
   return steps[-1] if steps else None
 
 
@@ -191,6 +194,7 @@ def save(directory, state, *, step: int) -> None:
   ocp, _ = _orbax()
   step = _check_step(step)
   root = _dir(directory)
+  _not_a_file(root)
   path = root / str(step)
   # Checked before anything touches the directory.
   flat, treedef = jax.tree_util.tree_flatten_with_path(_no_slot_maps(state))
@@ -292,10 +296,20 @@ def _abstract(name: str, leaf, saved):
   return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
 
 
+def _not_a_file(root) -> None:
+  """CheckpointError if the checkpoint directory `root` is a file."""
+  if root.exists() and not root.is_dir():
+    raise CheckpointError(
+        f"pallas_emb checkpoint directory {root} is a file, not a directory; "
+        "pass the directory given to save() (it holds one subdirectory per "
+        "step), not a file in it.")
+
+
 def _resolve_step(directory, step: int | None):
   """`(root, step)`: the checkpoint root and a complete step in it (`step`,
   or the latest one when None); a clear error otherwise."""
   root = _dir(directory)
+  _not_a_file(root)
   if not root.is_dir():
     raise CheckpointError(
         f"pallas_emb checkpoint directory {root} does not exist; pass the "
@@ -442,6 +456,45 @@ def _saved_tree(directory, step: int | None):
   return step, meta[_STATE] if _checked(meta) else meta
 
 
+_TRAINING_KEYS = {"tables", "opt_states"}
+
+
+def _serving_dtype(saved) -> str | None:
+  """The dtype of a saved serving state ("int8", "bfloat16", "float16");
+  None for any other tree."""
+  if not saved or not set(saved) <= {"stacks", "layouts"}:
+    return None
+  stacks = {n: v for n, v in _flat(saved).items() if n.startswith("stacks/")}
+  if not stacks or any(n.endswith("/table") for n in stacks):
+    return None
+  if any(n.endswith("/codes") for n in stacks):
+    return quantize.INT8
+  return np.dtype(next(iter(stacks.values())).dtype).name
+
+
+def _a(word: str) -> str:
+  return f"{'an' if word[:1] in 'aeiou' else 'a'} {word}"
+
+
+def _holds(saved) -> str:
+  """What a saved tree is, in words (for the errors of the restores that
+  expect another kind)."""
+  keys = sorted(saved)
+  if _TRAINING_KEYS <= set(keys):
+    return ("a training checkpoint (save_collection: logical tables "
+            f"{sorted(saved['tables'])} and their optimizer states)")
+  dtype = _serving_dtype(saved)
+  if dtype:
+    return (f"{_a(dtype)} serving state (save() of coll.quantize(state, "
+            f"{dtype!r}))")
+  if keys and set(keys) <= {"stacks", "layouts"}:
+    return ("a collection state saved whole with save() (its stack tables "
+            "and optimizer states)")
+  return (f"a tree of {len(_flat(saved))} arrays that no pallas_emb "
+          f"collection function wrote (top-level keys {keys[:8]}"
+          f"{' ...' if len(keys) > 8 else ''})")
+
+
 def save_collection(directory, coll, state, *, step: int, extra=None) -> None:
   """Saves a collection's state as logical tables (and `extra`, any pytree).
 
@@ -486,6 +539,15 @@ def restore_collection(directory, coll, *, step: int | None = None,
   extra pytree (as for `restore`), or None if nothing extra was saved.
   """
   step, saved = _saved_tree(directory, step)
+  if not _TRAINING_KEYS <= set(saved):
+    dtype = _serving_dtype(saved)
+    fix = (f"restore it with restore_serving(directory, coll, {dtype!r})"
+           if dtype else "restore it with restore(directory, target)")
+    raise CheckpointError(
+        f"pallas_emb restore_collection: checkpoint {directory}/{step} "
+        f"holds {_holds(saved)}, not the logical tables that "
+        f"save_collection writes; {fix}, or pass a save_collection "
+        "checkpoint.")
   saved_tables = set(saved.get("tables", {}))
   unknown = sorted(saved_tables - set(coll.tables))
   if unknown:
@@ -547,14 +609,28 @@ def restore_serving(directory, coll, dtype: str, *,
 
   The serving arrays are stored per stack, so `coll` must stack its tables
   as the quantizing collection did (same TableSpecs in the same order); a
-  checkpoint of another stacking or dtype does not match the target and is
-  a CheckpointError. Row and table stacks place their rows by the rank
+  checkpoint of another stacking does not match the target and is a
+  CheckpointError, as is one of another dtype or kind (a training
+  checkpoint: the error says which restore reads it). Row and table stacks place their rows by the rank
   count, so theirs restore over the same number of ranks only (else a
   CheckpointError). To serve under another stacking or rank count,
   quantize the state restored by `restore_collection` instead.
   """
+  dtype = quantize.check_serving_dtype(dtype)
   target = serving_target(coll, dtype)
   step, saved = _saved_tree(directory, step)
+  held = _serving_dtype(saved)
+  if held != dtype:
+    if held:
+      fix = f"restore it with dtype={held!r}"
+    elif _TRAINING_KEYS <= set(saved):
+      fix = ("restore it with restore_collection(directory, coll), then "
+             f"serve coll.quantize(state, {dtype!r})")
+    else:
+      fix = "restore it with restore(directory, target)"
+    raise CheckpointError(
+        f"pallas_emb restore_serving: checkpoint {directory}/{step} holds "
+        f"{_holds(saved)}, not {_a(dtype)} serving state; {fix}.")
   saved_layouts = sorted(_flat(saved.get("layouts", {})))
   if saved_layouts != sorted(target.layouts):
     raise CheckpointError(

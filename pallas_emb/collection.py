@@ -103,7 +103,7 @@ class EmbeddingCollection:
     self.group_size = validation.axes_size(mesh, self.table_axis)
     self.num_replicas = validation.axes_size(mesh, self.replica_axis)
     self.backend = validation.resolve_backend(mesh, backend)
-    platform = mesh.devices.flat[0].platform
+    self.platform = platform = mesh.devices.flat[0].platform
     self.dedup = validation.check_dedup(dedup, self.backend,
                                         "EmbeddingCollection", platform)
     if platform == "cpu":
@@ -314,14 +314,19 @@ class EmbeddingCollection:
     f32 rounding); "bfloat16" / "float16": the tables cast (`lookup`
     returns that dtype). Every placement: the copy lies where the
     stack's table does. No optimizer state; `lookup_and_route`,
-    `apply_gradients` and the Trainer refuse it. A table with a non-finite
-    row cannot be quantized to int8 (InputError).
+    `apply_gradients` and the Trainer refuse it. Rows the copy cannot hold
+    (an int8 row with a NaN or an infinity, or whose max - min overflows;
+    a value a cast makes infinite: `quantize.unservable_rows`) are one
+    InputError naming every such table and its rows.
     """
     self._check_state(state)
     name = quantize_lib.check_serving_dtype(dtype)
+    tables = {s.name: placement_lib.as_logical(s, state.stacks[s.name].table)
+              for s in self.plan.stacks}
+    state_lib.check_servable(self.plan, tables, name)
     return ServingState(
-        {s.name: quantize_lib.quantize_rows(
-            placement_lib.as_logical(s, state.stacks[s.name].table), name)
+        {s.name: quantize_lib.quantize_rows(tables[s.name], name,
+                                            check=False)
          for s in self.plan.stacks}, name, self.plan.fingerprint,
         state_lib.serving_layouts(self.plan))
 
@@ -363,6 +368,12 @@ class EmbeddingCollection:
   def _check_state(self, state) -> None:
     state_lib.check_state(self.plan, state, self.backend)
 
+  def _check_runs(self, *args) -> None:
+    """A Pallas backend of an accelerator on concrete CPU arrays: one clear
+    error before tracing (`validation.check_runs_on`)."""
+    validation.check_runs_on(self.backend, self.platform, args[:-1],
+                             f"collection {args[-1]}")
+
   def _tables(self, state: CollectionState) -> tuple[jax.Array, ...]:
     self._check_state(state)
     return exchange.place_state(
@@ -395,20 +406,29 @@ class EmbeddingCollection:
     `state` may be a `ServingState` (`quantize`): the rows are then read
     from the serving copy, dequantized inside the gather and the pool (an
     int8 state's embeddings are float32, pooled in f32; a bf16 / f16
-    state's are in that dtype), and the lookup is not differentiable.
+    state's are in that dtype). Its embeddings may feed a differentiated
+    model (gradients w.r.t. the dense params flow as usual), and the
+    lookup is differentiable w.r.t. the copies in `serving.stacks` too,
+    by the same dense cotangent of the rows read: a cast copy's is that
+    cotangent; an int8 copy's uint8 codes get none (float0: pass
+    `allow_int=True` to `jax.grad`), each row's scale `sum(codes[r] *
+    ct[r])` and bias `sum(ct[r])`. `serving.layouts` are ints:
+    differentiate w.r.t. `serving.stacks`.
     """
+    self._check_runs(state, batch, "lookup")
     if isinstance(state, ServingState):
       return self._serve(state, batch)
     inputs = self._read(batch)
     layouts = self._layouts(inputs.shapes(), inputs.implicit)
     outs = per_rank.collection_lookup(
-        self, layouts, self._tables(state), self._placed(inputs.ids),
+        self, layouts, self._table_specs(), self._tables(state),
+        self._placed(inputs.ids),
         self._placed_weights(inputs.weights))
     return dict(zip(self.features, outs))
 
   def _serve(self, state: ServingState, batch) -> dict[str, jax.Array]:
-    """`lookup` of a serving state: the collection's per-rank lookup over
-    the serving tables, without the differentiable wrapper."""
+    """`lookup` of a serving state: the same per-rank lookup and dense
+    cotangents, over the serving copies."""
     state_lib.check_serving(self.plan, state)
     inputs = self._read(batch)
     layouts = self._layouts(inputs.shapes(), inputs.implicit)
@@ -416,15 +436,9 @@ class EmbeddingCollection:
     tables = exchange.place_state(
         tuple(state.stacks[s.name] for s in self.plan.stacks), specs,
         self.mesh, "serving state")
-    fn = functools.partial(per_rank.lookup_per_rank, self.backend,
-                           self.kernel_config, self._order(), layouts,
-                           route=False)
-    outs = exchange.shard(
-        layouts[0].ctx, fn,
-        in_specs=(specs, self._feature_specs(), self._pooled_specs()),
-        out_specs=self._feature_specs(),
-    )(tables, self._placed(inputs.ids),
-      self._placed_weights(inputs.weights))
+    outs = per_rank.collection_lookup(
+        self, layouts, specs, tables, self._placed(inputs.ids),
+        self._placed_weights(inputs.weights))
     return dict(zip(self.features, outs))
 
   def lookup_and_route(self, state: CollectionState, batch
@@ -433,6 +447,7 @@ class EmbeddingCollection:
     of the ids per stack (what the `Trainer` calls). With dedup="slot_map"
     the routing carries the state's slot maps on to `apply_gradients`,
     which puts them back into the state (donated: no copy)."""
+    self._check_runs(state, batch, "lookup_and_route")
     inputs = self._read(batch)
     layouts = self._layouts(inputs.shapes(), inputs.implicit)
     fn = functools.partial(per_rank.lookup_per_rank, self.backend,
@@ -513,6 +528,7 @@ class EmbeddingCollection:
       `raise_if_overflow` outside jit.
     """
     self._check_state(state)
+    self._check_runs(state, emb_grads, "apply_gradients")
     routing = (batch_or_routing if isinstance(batch_or_routing, Routing)
                else self.route(batch_or_routing, state))
     state_lib.check_routing(self.plan, self.features, routing)
@@ -590,7 +606,8 @@ class EmbeddingCollection:
     """Host-side: raises if a table's batch had more distinct rows than its
     `TableSpec.max_unique` (or, row and table placements, more for one
     owner than `max_ids_per_partition`): the only ways a buffer
-    overflows."""
+    overflows. The error names every stack that overflowed."""
+    over = []
     for stack in self.plan.stacks:
       overflow = int(jax.device_get(stats[stack.name].num_overflow))
       if overflow:
@@ -598,10 +615,12 @@ class EmbeddingCollection:
         field = "max_ids_per_partition" if owners else "max_unique"
         capped = [t for t in stack.tables
                   if getattr(self.tables[t], field) is not None]
-        raise UniqueOverflowError(
-            f"pallas_emb {stack.name}: tables {capped} had {overflow} more "
-            f"distinct ids in one batch than their {field} caps hold; "
-            "those ids' gradients were not applied"
+        over.append(
+            f"{stack.name}: tables {capped} had {overflow} more distinct ids "
+            f"in one batch than their {field} caps hold; those ids' "
+            "gradients were not applied"
             f"{' and their rows were served as zeros' if owners else ''}. "
             f"Raise or drop {field} of these tables (fit_{field} with more "
             "headroom).")
+    if over:  # every overflowing stack, one sentence each
+      raise UniqueOverflowError("pallas_emb " + " ".join(over))

@@ -18,9 +18,17 @@ So, in a process whose JAX runs on CPU:
   no 64 MiB limit), set at `import pallas_emb`, before any thread of
   XLA's has an arena of its own. Imported later, a collection logs how to
   get it: `MALLOC_ARENA_MAX=1` in the environment.
-The cost: the process keeps its peak heap, and its threads share one
-arena's lock. `PALLAS_EMB_SYSTEM_MALLOC=1` leaves malloc as it is. Other C
-libraries (musl, macOS) are left alone.
+The cost: the process keeps its peak heap (a freed large array stays
+resident), and its threads share one arena's lock.
+
+The user's settings win. A parameter that the environment sets (glibc's
+`MALLOC_*` variables or `GLIBC_TUNABLES`' `glibc.malloc.*`: `USER_SETTINGS`)
+is left as it is. A `mallopt` the process made before importing
+pallas_emb cannot be read back from glibc, so it would be overridden: set
+the variable instead. `PALLAS_EMB_SYSTEM_MALLOC=1` (or true / yes) leaves
+malloc alone altogether; 0 / false / no / empty keep the settings; any
+other value is an error at import. Other C libraries (musl, macOS) are left
+alone.
 """
 
 from __future__ import annotations
@@ -33,46 +41,111 @@ import logging
 import os
 import platform
 
+from pallas_emb.errors import InputError
+
 OPT_OUT = "PALLAS_EMB_SYSTEM_MALLOC"
+_OPT_OUT_VALUES = {"1": True, "true": True, "yes": True,
+                   "0": False, "false": False, "no": False, "": False}
 # mallopt's parameters (malloc.h).
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_MAX = -4
 _M_ARENA_MAX = -8
 _INT_MAX = 2**31 - 1
 
+# Per parameter we set: (mallopt's number, our value), and the glibc
+# environment variables and tunables (`GLIBC_TUNABLES=glibc.malloc.<name>=
+# ...`) through which a user sets it or the behaviour it governs (the
+# mmap threshold for mmapping, the top pad for trimming, the arena test
+# for arenas). Any of them set: the parameter is the user's.
+_PARAMETERS = {
+    "M_ARENA_MAX": (_M_ARENA_MAX, 1),
+    "M_MMAP_MAX": (_M_MMAP_MAX, 0),
+    "M_TRIM_THRESHOLD": (_M_TRIM_THRESHOLD, _INT_MAX),
+}
+USER_SETTINGS = {
+    "M_ARENA_MAX": (("MALLOC_ARENA_MAX", "MALLOC_ARENA_TEST"),
+                    ("arena_max", "arena_test")),
+    "M_MMAP_MAX": (("MALLOC_MMAP_MAX_", "MALLOC_MMAP_THRESHOLD_"),
+                   ("mmap_max", "mmap_threshold")),
+    "M_TRIM_THRESHOLD": (("MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_"),
+                         ("trim_threshold", "top_pad")),
+}
+
 _kept: bool | None = None
-# Whether every thread allocates from the main heap (set by the
-# environment, or by `at_import`).
-_one_arena: bool = os.environ.get("MALLOC_ARENA_MAX") == "1"
+# Whether every thread allocates from the main heap (set by `at_import`,
+# or by the user's own MALLOC_ARENA_MAX=1).
+_one_arena: bool = False
+
+
+def opted_out() -> bool:
+  """`PALLAS_EMB_SYSTEM_MALLOC`, parsed strictly (InputError otherwise)."""
+  value = os.environ.get(OPT_OUT, "")
+  try:
+    return _OPT_OUT_VALUES[value.strip().lower()]
+  except KeyError:
+    raise InputError(
+        f"pallas_emb {OPT_OUT}={value!r} is not a yes or no; expected one "
+        "of 1, true, yes (leave glibc malloc as it is) or 0, false, no, "
+        "empty (let pallas_emb keep freed memory on CPU), in any "
+        "case.") from None
+
+
+def user_setting(parameter: str) -> str | None:
+  """The environment variable or tunable by which the user set `parameter`
+  (a key of `USER_SETTINGS`), or None. An empty variable is unset."""
+  variables, tunables = USER_SETTINGS[parameter]
+  for name in variables:
+    if os.environ.get(name, ""):
+      return name
+  for item in os.environ.get("GLIBC_TUNABLES", "").split(":"):
+    name = item.split("=", 1)[0].strip()
+    if name in {f"glibc.malloc.{t}" for t in tunables}:
+      return f"GLIBC_TUNABLES={name}"
+  return None
+
+
+def _set(libc, parameter: str) -> bool:
+  """mallopt(parameter) unless the user set it; True if it is ours now."""
+  if user_setting(parameter) is not None:
+    return False
+  number, value = _PARAMETERS[parameter]
+  return libc.mallopt(number, value) == 1
 
 
 def at_import() -> None:
   """At `import pallas_emb`: in a process whose JAX will run on CPU and has
-  not started its backends, one arena and freed memory kept."""
+  not started its backends, one arena and freed memory kept (each unless
+  the user set it)."""
   global _one_arena
   libc = _glibc()
   if libc is None or not _jax_will_run_on_cpu():
     return
-  _one_arena = _one_arena or libc.mallopt(_M_ARENA_MAX, 1) == 1
+  _one_arena = _set(libc, "M_ARENA_MAX")
   keep_freed_memory()
 
 
 def keep_freed_memory() -> bool:
-  """Applies the settings that can still take effect, once per process;
-  True if freed memory is kept. Logs how to get one arena if it is too
-  late for it (XLA's threads already have theirs)."""
+  """Applies the settings that can still take effect and that the user did
+  not make, once per process; True if freed memory is kept (both ours).
+  Logs how to get one arena if it is too late for it (XLA's threads
+  already have theirs) and the user did not choose."""
   global _kept
   if _kept is not None:
     return _kept
   libc = _glibc()
-  _kept = bool(libc and libc.mallopt(_M_MMAP_MAX, 0) == 1
-               and libc.mallopt(_M_TRIM_THRESHOLD, _INT_MAX) == 1)
-  if _kept:
+  if libc is None:
+    _kept = False
+    return _kept
+  mmap, trim = _set(libc, "M_MMAP_MAX"), _set(libc, "M_TRIM_THRESHOLD")
+  _kept = mmap and trim
+  ours = [name for name, done in (("M_MMAP_MAX=0", mmap), (
+      f"M_TRIM_THRESHOLD={_INT_MAX}", trim), ("M_ARENA_MAX=1", _one_arena))
+          if done]
+  if ours:
     logging.info("pallas_emb: glibc malloc keeps freed memory for reuse "
-                 "(M_MMAP_MAX=0, M_TRIM_THRESHOLD=%d%s); set %s=1 to leave "
-                 "it as it is.", _INT_MAX,
-                 ", M_ARENA_MAX=1" if _one_arena else "", OPT_OUT)
-  if _kept and not _one_arena:
+                 "(%s); set %s=1 to leave it as it is.", ", ".join(ours),
+                 OPT_OUT)
+  if _kept and not _one_arena and user_setting("M_ARENA_MAX") is None:
     logging.warning(
         "pallas_emb: JAX ran before pallas_emb was imported, so XLA:CPU's "
         "threads have their own malloc arenas, which mmap every block over "
@@ -84,7 +157,7 @@ def keep_freed_memory() -> bool:
 
 def _glibc():
   """glibc through ctypes, or None (another C library, or opted out)."""
-  if os.environ.get(OPT_OUT, "") not in ("", "0"):
+  if opted_out():
     return None
   if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
     return None

@@ -50,7 +50,14 @@ def replicated_sharding(ctx: EmbeddingContext) -> NamedSharding:
 
 
 def place(x: jax.Array, sharding: NamedSharding) -> jax.Array:
-  """Puts x on `sharding`, eagerly or inside jit, Auto or Explicit axes."""
+  """Puts x on `sharding`, eagerly or inside jit, Auto or Explicit axes.
+
+  Eagerly (a concrete array, wherever it is: on one device, on another
+  mesh's devices) `device_put` moves it; inside jit on Auto axes a sharding
+  constraint places it.
+  """
+  if not isinstance(x, jax.core.Tracer):
+    return jax.device_put(x, sharding)
   axis_types = dict(zip(sharding.mesh.axis_names, sharding.mesh.axis_types))
   names = [a for part in sharding.spec if part is not None
            for a in ((part,) if isinstance(part, str) else part)]
@@ -66,7 +73,10 @@ def place_state(tree, specs, mesh, what: str):
 
   Tracers and arrays that were not placed are placed; a committed array on
   another sharding is an error (moving a huge table silently is not our
-  call). `specs` is a pytree prefix of `tree` (None leaves match None).
+  call). One laid out the same on another mesh of the same devices (a
+  state of the same collection built on a mesh of Auto axes, given to one
+  on Explicit axes, or back) is relabelled, without a copy. `specs` is a
+  pytree prefix of `tree` (None leaves match None).
   """
   def one(path, x, spec):
     sharding = NamedSharding(mesh, spec)
@@ -74,28 +84,43 @@ def place_state(tree, specs, mesh, what: str):
     # move, whatever sharding jit gave it.
     if not validation.is_committed(x) or x.size == 0:
       return place(x, sharding)
-    if len(jax.devices()) > 1 and not x.sharding.is_equivalent_to(
-        sharding, x.ndim):
-      raise validation.ShardingError(
-          f"pallas_emb {what}{jax.tree_util.keystr(path)} is sharded as "
-          f"{x.sharding}; expected {spec}. Place it with jax.device_put(x, "
-          f"NamedSharding(mesh, {spec})), or pass the state the collection "
-          "returned.")
-    return x
+    return relabel(x, sharding, lambda: (
+        f"pallas_emb {what}{jax.tree_util.keystr(path)} is sharded as "
+        f"{x.sharding}; expected {spec}. Place it with jax.device_put(x, "
+        f"NamedSharding(mesh, {spec})), or pass the state the collection "
+        "returned."))
   return jax.tree_util.tree_map_with_path(
       lambda path, spec, x: one(path, x, spec), specs, tree,
       is_leaf=lambda v: isinstance(v, P))
 
 
+def relabel(x: jax.Array, sharding: NamedSharding, message) -> jax.Array:
+  """A committed `x` as `sharding` if it is laid out so already (no copy:
+  the same shards on the same devices, e.g. the same spec over a mesh of
+  other axis types, which `shard_map` tells apart); else a ShardingError
+  with `message()`."""
+  if x.sharding == sharding:
+    return x
+  if not x.sharding.is_equivalent_to(sharding, x.ndim):
+    if len(jax.devices()) > 1:
+      raise validation.ShardingError(message())
+    return x  # one device: where it must be
+  return jax.device_put(x, sharding)  # the same shards: relabelled
+
+
 def place_table(ctx: EmbeddingContext, table: jax.Array) -> jax.Array:
-  """A table that was not placed (fresh array, tracer) onto its sharding.
+  """A table that was not placed (fresh array, tracer) onto its sharding,
+  one laid out so already on another mesh relabelled (`relabel`).
 
   A committed table on another sharding was rejected by
   `validation.check_table`: moving a huge table silently is not our call.
   """
+  sharding = table_sharding(ctx)
   if validation.is_committed(table):
-    return table
-  return place(table, table_sharding(ctx))
+    return relabel(table, sharding, lambda: (
+        f"pallas_emb table is sharded as {table.sharding}; expected "
+        f"{sharding.spec}."))
+  return place(table, sharding)
 
 
 def place_tokens(ctx: EmbeddingContext, x: jax.Array) -> jax.Array:

@@ -151,10 +151,11 @@ class Embed(nn.Module):
       under jit becomes int32 max, clamped like any id past the table
       (`pallas_emb.validation.as_ids`), never wrapped.
     * The output is sharded like the ids.
-    * `padding_id` (default None, as `nn.Embed`: every id trains): an id
-      that is looked up as usual but gets no gradient, under plain
-      `jax.grad` and under `FlaxTrainer` (whose TableSpec for this layer
-      must have the same padding_id; checked).
+    * `padding_id` (default None, as `nn.Embed`: every id trains): the
+      padding row, looked up as usual but given no gradient, whatever id
+      reaches it after the wrap and clamp (with 0, also -num_embeddings),
+      under plain `jax.grad` and under `FlaxTrainer` (whose TableSpec for
+      this layer must have the same padding_id; checked).
 
   Training: plain `jax.grad` works (dense table gradient, O(num_embeddings)
   memory) with any optax optimizer; `FlaxTrainer` is the sparse path.
@@ -182,7 +183,8 @@ class Embed(nn.Module):
           f"the context's emb_width={self.ctx.emb_width}. Make the context "
           f"with emb_width={self.features}, or set features="
           f"{self.ctx.emb_width}.")
-    validation.check_padding_id(self.padding_id)
+    validation.check_padding_id(self.padding_id, self.num_embeddings,
+                                "flax.Embed")
 
   def _table(self) -> Array:
     init = nn.with_partitioning(

@@ -62,8 +62,9 @@ class Embed(hk.Module):
       same rows `hk.Embed`'s default ARRAY_INDEX lookup returns, bit for
       bit, for every int32 id.
     * The output is sharded like the ids.
-    * `padding_id` (default None, as `hk.Embed`: every id trains): an id
-      that is looked up as usual but gets no gradient.
+    * `padding_id` (default None, as `hk.Embed`: every id trains): the
+      padding row, looked up as usual but given no gradient, whatever id
+      reaches it after the wrap and clamp (with 0, also -vocab_size).
 
   Training: plain `jax.grad` works (the table's gradient is the dense
   scatter-add, O(vocab_size) memory) with any optax optimizer.
@@ -88,7 +89,8 @@ class Embed(hk.Module):
       dtype: dtype of the table (float32 or bfloat16).
       backend: lookup backend (`validation.BACKENDS`); None picks the
         fastest measured on the platform.
-      padding_id: an id that gets no gradient (None: every id trains).
+      padding_id: the padding row's id, in [-vocab_size, vocab_size): the
+        row gets no gradient (None: every id trains).
       name: module name (default "embed").
     """
     super().__init__(name=name)
@@ -112,7 +114,8 @@ class Embed(hk.Module):
     self.w_init = w_init or hk.initializers.TruncatedNormal()
     self.dtype = dtype
     self.backend = backend
-    validation.check_padding_id(padding_id)
+    validation.check_padding_id(padding_id, vocab_size,
+                                "haiku.Embed")
     self.padding_id = padding_id
 
   def _init(self, shape, dtype):

@@ -6,7 +6,8 @@ once per stack: `stack.py` for column and replicated stacks, `row.py` for
 row and table ones (the same four entry points: lookup, route, update,
 dense gradient). The inputs arrive in collection order (features as declared,
 pooled features' weights after them) and are regrouped per stack here.
-`collection_lookup` is the differentiable lookup (dense cotangents).
+`collection_lookup` is the differentiable lookup (dense cotangents), of
+a training state's tables or of a serving state's copies.
 """
 
 from __future__ import annotations
@@ -16,10 +17,12 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding
 
 from pallas_emb import exchange
 from pallas_emb import row
 from pallas_emb import stack
+from pallas_emb.quantize import QuantizedRows
 from pallas_emb.state import StackState
 
 
@@ -94,51 +97,79 @@ def apply_per_rank(backend, kernel_config, order, layouts, states, routings,
 
 def _dense_grads_per_rank(coll_order, layouts, tables, all_ids, all_weights,
                           all_cotangents):
-  """The dense scatter-add cotangent of every stack table."""
+  """The dense scatter-add cotangent of every stack table (of an int8
+  serving copy: of the f32 rows it reads back as)."""
   cts = _by_stack(coll_order[0], layouts, all_cotangents)
   return tuple(
-      dataflow(layout).dense_grad_stack(layout, table, ids, weights,
-                                        stack_cts)
+      dataflow(layout).dense_grad_stack(layout, _read_back(table), ids,
+                                        weights, stack_cts)
       for (layout, ids, weights), table, stack_cts in zip(
           per_stack(coll_order, layouts, all_ids, all_weights), tables, cts))
+
+
+def _read_back(table):
+  """What a stack's dense cotangent is shaped like: the table, or for an
+  int8 serving copy the f32 rows it reads back as."""
+  if isinstance(table, QuantizedRows):
+    return jax.ShapeDtypeStruct(table.codes.shape, jnp.float32)
+  return table
 
 
 # --- the differentiable lookup ----------------------------------------------------
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def collection_lookup(coll, layouts, tables, all_ids, all_weights):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def collection_lookup(coll, layouts, table_specs, tables, all_ids,
+                      all_weights):
+  """Every feature's embeddings from `tables` (a state's stack tables, or a
+  serving state's copies: `table_specs` are their PartitionSpecs)."""
   fn = functools.partial(lookup_per_rank, coll.backend, coll.kernel_config,
                          coll._order(), layouts, route=False)
   return exchange.shard(
       layouts[0].ctx, fn,
-      in_specs=(coll._table_specs(), coll._feature_specs(),
-                coll._pooled_specs()),
+      in_specs=(table_specs, coll._feature_specs(), coll._pooled_specs()),
       out_specs=coll._feature_specs())(tables, all_ids, all_weights)
 
 
-def collection_lookup_fwd(coll, layouts, tables, all_ids, all_weights):
-  return (collection_lookup(coll, layouts, tables, all_ids, all_weights),
-          (tables, all_ids, all_weights))
+def collection_lookup_fwd(coll, layouts, table_specs, tables, all_ids,
+                          all_weights):
+  return (collection_lookup(coll, layouts, table_specs, tables, all_ids,
+                            all_weights), (tables, all_ids, all_weights))
 
 
-def collection_lookup_bwd(coll, layouts, residuals, cotangents):
+def collection_lookup_bwd(coll, layouts, table_specs, residuals, cotangents):
   tables, all_ids, all_weights = residuals
   fn = functools.partial(_dense_grads_per_rank, coll._order(), layouts)
-  table_cts = exchange.shard(
+  dense_specs = tuple(s.codes if isinstance(s, QuantizedRows) else s
+                      for s in table_specs)
+  dense = exchange.shard(
       layouts[0].ctx, fn,
-      in_specs=(coll._table_specs(), coll._feature_specs(),
+      in_specs=(table_specs, coll._feature_specs(),
                 coll._pooled_specs(), coll._feature_specs()),
-      out_specs=coll._table_specs())(tables, all_ids, all_weights,
-                                     tuple(cotangents))
-  # A table held as uint16 bits (`placement.storage_dtype`) is not
-  # differentiable: its cotangent is float0. No cotangent for the ids; the
-  # weights' would need the table (unused).
-  table_cts = tuple(
-      ct if jnp.issubdtype(t.dtype, jnp.inexact)
-      else np.zeros(t.shape, jax.dtypes.float0)
-      for t, ct in zip(tables, table_cts))
+      out_specs=dense_specs)(tables, all_ids, all_weights, tuple(cotangents))
+  table_cts = tuple(_table_cotangent(coll.mesh, t, spec, ct)
+                    for t, spec, ct in zip(tables, table_specs, dense))
+  # No cotangent for the ids; the weights' would need the table (unused).
   return table_cts, None, jax.tree.map(jnp.zeros_like, all_weights)
+
+
+def _table_cotangent(mesh, table, spec, dense):
+  """A stack table's cotangent from the dense one of the rows it reads.
+
+  A table held as uint16 bits (`placement.storage_dtype`) is not
+  differentiable: float0. An int8 serving copy reads row r back as
+  `codes[r] * scale[r] + bias[r]`: its scale's cotangent is
+  `sum(codes[r] * dense[r])`, its bias's `sum(dense[r])`, its codes' float0.
+  """
+  if not isinstance(table, QuantizedRows):
+    if jnp.issubdtype(table.dtype, jnp.inexact):
+      return dense
+    return np.zeros(table.shape, jax.dtypes.float0)
+  rows = lambda x: exchange.place(x, NamedSharding(mesh, spec.scale))
+  return QuantizedRows(
+      np.zeros(table.codes.shape, jax.dtypes.float0),
+      rows(jnp.sum(table.codes.astype(jnp.float32) * dense, axis=1)),
+      rows(jnp.sum(dense, axis=1)))
 
 
 collection_lookup.defvjp(collection_lookup_fwd, collection_lookup_bwd)

@@ -25,6 +25,15 @@ the same, so a table quantized by either reads back the same way.
 
 "bfloat16" and "float16" are plain casts (round to nearest even).
 
+What a serving copy cannot hold is an error, before it is served
+(`unservable_rows`): an int8 row with a NaN or an infinity (its min or max
+would be one), or whose max - min overflows f32; a finite value that a cast
+turns into an infinity (float16 above 65504; bfloat16, from f32, above
+about 3.3962e38). A NaN or an infinity in a table cast to bfloat16 or
+float16 stays what it is. Non-finite values are found by an `isfinite`
+reduction over each row, not through its min and max: XLA:CPU's min and
+max over a column-sharded row drop a NaN.
+
 Tables are `[V, D]` global arrays of any placement: the min and max are
 over the full row (for a column-sharded table XLA reduces across the column
 shards), the codes keep the table's sharding and `scale` and `bias` (`[V]`)
@@ -39,6 +48,7 @@ dequantizes them inside its gather and pool.
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import jax
@@ -120,7 +130,10 @@ def _check_table(table) -> None:
 
 def _quantize_int8(table: jax.Array) -> QuantizedRows:
   x = table.astype(jnp.float32)
-  lo = jnp.min(x, axis=1)
+  # A row with a NaN or an infinity gets a NaN bias (so it reads back as
+  # NaN): its min and max alone may not say so on a sharded row.
+  finite = jnp.all(jnp.isfinite(x), axis=1)
+  lo = jnp.where(finite, jnp.min(x, axis=1), jnp.nan)
   span = jnp.max(x, axis=1) - lo
   # Written as the products XLA would turn the divisions into anyway (it
   # rewrites a division by a constant or a broadcast into a product with
@@ -134,47 +147,122 @@ def _quantize_int8(table: jax.Array) -> QuantizedRows:
   return QuantizedRows(codes, scale, lo)
 
 
-def quantize_rows(table: jax.Array, dtype: str):
+def quantize_rows(table: jax.Array, dtype: str, *, check: bool = True):
   """A serving copy of `table` ([V, D], f32 or bf16); see the module doc.
 
   Returns `QuantizedRows` for "int8", else the table cast to `dtype`. Works
-  under jit (then a non-finite row reads back as NaN: its min, max or range
-  is not finite). Called on a concrete array, the codes keep its
-  sharding, `scale` and `bias` lie with its rows (`rows_spec`), and a table
-  with a non-finite value, or a row whose max - min overflows f32, is
-  rejected with InputError.
+  under jit (then nothing is checked, and a row with a NaN or an infinity,
+  or whose max - min overflows, reads back as NaN from int8). Called on a
+  concrete array, the codes keep its sharding, `scale` and `bias` lie with
+  its rows (`rows_spec`), and with `check` a table with rows that the
+  copy cannot hold (`unservable_rows`) is rejected with one InputError
+  naming every such row.
   """
   name = check_serving_dtype(dtype)
   _check_table(table)
-  if name != INT8:
-    return jnp.asarray(table).astype(name)
   if isinstance(table, jax.core.Tracer):
-    return _quantize_int8(table)
+    return _quantize_int8(table) if name == INT8 else table.astype(name)
   table = jnp.asarray(table)
+  if check:
+    raise_if_unservable(name, [("", unservable_rows(table, name))],
+                        "quantize_rows")
+  if name != INT8:
+    return table.astype(name)
   sharding = table.sharding
   if isinstance(sharding, NamedSharding):
     rows = NamedSharding(sharding.mesh, rows_spec(sharding.spec))
-    out = jax.jit(_quantize_int8, out_shardings=QuantizedRows(
+    return jax.jit(_quantize_int8, out_shardings=QuantizedRows(
         sharding, rows, rows))(table)
-  else:
-    out = jax.jit(_quantize_int8)(table)
-  _check_finite(table, out)
-  return out
+  return jax.jit(_quantize_int8)(table)
 
 
-def _check_finite(table: jax.Array, out: QuantizedRows) -> None:
-  bad = ~(jnp.isfinite(out.scale) & jnp.isfinite(out.bias))
-  count = int(jnp.sum(bad))
-  if not count:
+# --- what a serving copy cannot hold ------------------------------------------
+
+NON_FINITE = "a NaN or an infinity"
+SPAN_OVERFLOW = "max - min overflows float32"
+
+
+def _beyond_range(dtype: str) -> str:
+  return (f"a finite value beyond {dtype}'s range (largest "
+          f"{float(jnp.finfo(dtype).max):.5g}), which the cast makes "
+          "infinite")
+
+
+def _row_flags(table: jax.Array, dtype: str) -> jax.Array:
+  """int8 `[V]`: 0 for a servable row, else 1 + the index of its problem
+  in `_problems(dtype)`. Reductions of `isfinite`, never of min / max
+  alone (a sharded min or max drops a NaN on XLA:CPU)."""
+  x = table.astype(jnp.float32)
+  finite = jnp.all(jnp.isfinite(x), axis=1)
+  if dtype == INT8:
+    span = jnp.max(x, axis=1) - jnp.min(x, axis=1)
+    return jnp.where(~finite, 1, jnp.where(jnp.isfinite(span), 0, 2)
+                     ).astype(jnp.int8)
+  cast = table.astype(dtype)
+  widened = jnp.any(jnp.isfinite(table) & ~jnp.isfinite(cast), axis=1)
+  return widened.astype(jnp.int8)
+
+
+def _problems(dtype: str) -> tuple[str, ...]:
+  return ((NON_FINITE, SPAN_OVERFLOW) if dtype == INT8 else
+          (_beyond_range(dtype),))
+
+
+def unservable_rows(table: jax.Array, dtype: str) -> dict[str, np.ndarray]:
+  """Host-side, for a concrete `[V, D]` table (any sharding, Auto or
+  Explicit mesh): `{problem: sorted row indices}` of the rows a serving
+  copy in `dtype` would not hold (module doc); empty if there are none.
+
+  One reduction per row, read back as `[V]` flags; a serving conversion
+  runs it, a training step never does.
+  """
+  dtype = check_serving_dtype(dtype)
+  if dtype != INT8 and np.dtype(table.dtype) == jnp.dtype(dtype):
+    return {}  # a cast to the table's own dtype changes nothing
+  sharding = getattr(table, "sharding", None)
+  out = (NamedSharding(sharding.mesh, P())
+         if isinstance(sharding, NamedSharding) else None)
+  flags = np.asarray(jax.device_get(_jitted_flags(dtype, out)(table)))
+  found = {}
+  for i, problem in enumerate(_problems(dtype)):
+    rows = np.flatnonzero(flags == i + 1)
+    if rows.size:
+      found[problem] = rows
+  return found
+
+
+@functools.lru_cache(maxsize=32)
+def _jitted_flags(dtype: str, out_sharding):
+  return jax.jit(functools.partial(_row_flags, dtype=dtype),
+                 out_shardings=out_sharding)
+
+
+def rows_text(rows: np.ndarray, limit: int = 10) -> str:
+  """"row 7", or "rows [3, 7, 9]" (the first `limit`, then how many more)."""
+  rows = [int(r) for r in rows]
+  if len(rows) == 1:
+    return f"row {rows[0]}"
+  more = f" and {len(rows) - limit} more" if len(rows) > limit else ""
+  return f"rows {rows[:limit]}{more}"
+
+
+def raise_if_unservable(dtype: str, found, where: str) -> None:
+  """One InputError naming every row of `found`, a list of `(name, {problem:
+  rows})` (name: what holds the rows, e.g. "table 'items' ", or "")."""
+  parts, count = [], 0
+  for name, problems in found:
+    for problem, rows in problems.items():
+      parts.append(f"{name}{rows_text(rows)}: {problem}")
+      count += len(rows)
+  if not parts:
     return
-  row = int(jnp.argmax(bad))
-  values = bool(jnp.all(jnp.isfinite(table[row])))
-  why = ("its max - min overflows float32" if values else
-         "it holds a NaN or an infinity")
+  want = ("finite rows whose max - min is a finite float32"
+          if dtype == INT8 else f"values within {dtype}'s range")
+  other = ", or serve bfloat16" if dtype == "float16" else ""
   raise InputError(
-      f"pallas_emb quantize_rows: {count} table rows cannot be quantized "
-      f"to int8 (first: row {row}, {why}); expected finite rows whose "
-      "max - min is a finite float32. Fix or clip those rows first.")
+      f"pallas_emb {where}: {count} table row{'s' if count > 1 else ''} "
+      f"cannot be served as {dtype} ({'; '.join(parts)}); expected {want}. "
+      f"Fix or clip those rows first{other}.")
 
 
 def dequantize_rows(rows: QuantizedRows) -> jax.Array:

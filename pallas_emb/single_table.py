@@ -62,8 +62,9 @@ class DedupResult(NamedTuple):
   unique_tokens: int32 `[num_unique]`, sorted, padded with FILL_VALUE;
     identical on every rank.
   segment_ids: int32, shaped and sharded like the token ids: each token's
-    index into unique_tokens; -1 for the padding id, ids outside the table
-    (after one wrap) and tokens that did not fit (no gradient).
+    index into unique_tokens; -1 for ids that reach the padding row, ids
+    outside the table (after one wrap) and tokens that did not fit (no
+    gradient).
   num_distinct: int32 scalar, distinct rows the batch trains.
   num_overflow: int32 scalar, distinct rows that did not fit in num_unique.
   """
@@ -133,7 +134,7 @@ def lookup_with_padding(ctx: EmbeddingContext, table: jax.Array, token_ids,
   """`lookup` with another padding id than the context's (the layers')."""
   validation.check_table(ctx, table)
   token_ids = _ids(ctx, token_ids)
-  validation.check_padding_id(padding_id)
+  validation.check_padding_id(padding_id, table.shape[0], "lookup")
   coll = _facade(ctx, table.shape[0], table.dtype, padding_id=padding_id,
                  backend=backend, kernel_config=kernel_config)
   return coll.lookup(_state(coll, table), {_FEATURE: token_ids})[_FEATURE]
@@ -210,6 +211,8 @@ def lookup_and_dedup(ctx: EmbeddingContext, table: jax.Array, token_ids, *,
   token_ids = _ids(ctx, token_ids)
   coll = _facade(ctx, table.shape[0], table.dtype, backend=backend,
                  kernel_config=kernel_config)
+  validation.check_runs_on(coll.backend, coll.platform, (table, token_ids),
+                           "lookup_and_dedup")
   (layout,) = coll._layouts(((_FEATURE, tuple(token_ids.shape)),))  # pylint: disable=protected-access
   fn = functools.partial(_lookup_and_dedup_per_rank, ctx, layout,
                          coll.backend, kernel_config)
@@ -287,6 +290,8 @@ def apply_gradients(ctx: EmbeddingContext, opt, table: jax.Array, opt_state,
   opt.check_state(opt_state, table.shape)
   coll = _facade(ctx, table.shape[0], table.dtype, opt, backend=backend,
                  kernel_config=kernel_config)
+  validation.check_runs_on(coll.backend, coll.platform, (table, emb_grads),
+                           "apply_gradients")
   (layout,) = coll._layouts(((_FEATURE, tuple(segment_ids.shape)),))  # pylint: disable=protected-access
   tokens = exchange.token_spec(ctx)
   state_spec = opt.state_specs(exchange.table_spec(ctx))

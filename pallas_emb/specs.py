@@ -52,7 +52,10 @@ class TableSpec:
       None for a table that is only looked up (`apply_gradients` refuses it).
     dtype: float32 or bfloat16.
     initializer: `(key, shape, dtype) -> array`; default nn.Embed's.
-    padding_id: an id that is looked up but never trains (None: none).
+    padding_id: the id of the padding row, in `[-vocab_rows, vocab_rows)`
+      (None: none). The padding row is looked up like any row but never
+      trains, whatever id reaches it after the wrap and clamp (so with 0,
+      also -vocab_rows); in a pooled feature it weighs 0.
     max_unique: cap on the distinct rows of one batch this table may use in
       its stack's unique buffer (default: never overflows); a batch over
       the cap raises `UniqueOverflowError` when its stats are checked.
@@ -110,7 +113,7 @@ class TableSpec:
     if not callable(self.initializer):
       raise InputError(f"pallas_emb {what} initializer must be callable "
                        "(key, shape, dtype) -> array.")
-    validation.check_padding_id(self.padding_id)
+    validation.check_padding_id(self.padding_id, self.vocab_rows, what)
     if self.max_unique is not None:
       validation.check_positive(f"{what} max_unique", self.max_unique)
     if self.placement not in PLACEMENTS:

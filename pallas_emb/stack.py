@@ -61,16 +61,33 @@ class StackRouting(NamedTuple):
 # --- keys and weights ------------------------------------------------------------
 
 
+def resolve_ids(ids: jax.Array, vocab_rows: int, padding_id: int | None):
+  """The one rule for what an id does, on every path (lookup, pooling, the
+  sparse update, the dense gradient, the host-side counts).
+
+  Returns `(rows, trains, padding)` per id: the row it reads (wrapped once
+  if negative, then clamped into the table); whether it is padding (it
+  reaches the padding row, `padding_id`'s own, after that wrap and clamp);
+  whether it trains (inside the table after the wrap, and not padding).
+  The padding row never trains, whatever id reaches it (0, -vocab_rows
+  or, with padding_id=vocab_rows-1, -1); it is read like any row.
+  """
+  wrapped = common.wrap_once(ids, vocab_rows)
+  rows = jnp.clip(wrapped, 0, vocab_rows - 1)
+  trains = (wrapped >= 0) & (wrapped < vocab_rows)
+  if padding_id is None:
+    return rows, trains, jnp.zeros(rows.shape, bool)
+  padding = rows == padding_id % vocab_rows  # in [-vocab_rows, vocab_rows)
+  return rows, trains & ~padding, padding
+
+
 def entry_keys(feature: FeatureLayout, ids: jax.Array,
                weights: jax.Array | None):
   """A feature's entries as keys (see the module docstring); `weights`: the
   pooled entries' weights (0: the entry does not train)."""
-  x = ids.reshape(-1)
-  wrapped = common.wrap_once(x, feature.vocab_rows)
-  row = feature.row_offset + jnp.clip(wrapped, 0, feature.vocab_rows - 1)
-  trains = (wrapped >= 0) & (wrapped < feature.vocab_rows)
-  if feature.padding_id is not None:
-    trains &= x != feature.padding_id
+  rows, trains, _ = resolve_ids(ids.reshape(-1), feature.vocab_rows,
+                                feature.padding_id)
+  row = feature.row_offset + rows
   if weights is not None:
     trains &= weights.reshape(-1) != 0
   return jnp.where(trains, row, ~row)
@@ -81,12 +98,13 @@ def combiner_weights(feature: FeatureLayout, ids: jax.Array,
   """Per entry of `[B, L]` bags: the weight its row enters the pool with.
 
   `sum`: w; `mean`: w / sum(w); `sqrtn`: w / sqrt(sum(w^2)) (TF's
-  embedding_lookup_sparse). The padding id weighs 0; an empty bag pools
-  to zeros.
+  embedding_lookup_sparse). Padding (`resolve_ids`) weighs 0; an empty
+  bag pools to zeros.
   """
   w = weights.astype(jnp.float32)
   if feature.padding_id is not None:
-    w = jnp.where(ids == feature.padding_id, 0.0, w)
+    _, _, padding = resolve_ids(ids, feature.vocab_rows, feature.padding_id)
+    w = jnp.where(padding, 0.0, w)
   if feature.combiner == "sum":
     return w
   total = (jnp.sum(w, axis=1, keepdims=True) if feature.combiner == "mean"

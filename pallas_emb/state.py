@@ -109,6 +109,26 @@ def serving_layouts(plan) -> dict[str, np.ndarray]:
           for s in plan.stacks if s.placement in ("row", "table")}
 
 
+def check_servable(plan, tables, dtype: str) -> None:
+  """One InputError naming every logical table row that a serving copy in
+  `dtype` of the stacks' physical `tables` (`{stack name: array}`) cannot
+  hold (`quantize.unservable_rows`); nothing if there is none."""
+  found = []
+  for stack in plan.stacks:
+    rows = quantize.unservable_rows(tables[stack.name], dtype)
+    if not rows:
+      continue
+    # Each table's physical rows, in its logical order.
+    parts = placement.from_physical(stack, np.arange(stack.total_rows))
+    for table, physical in zip(stack.tables, parts):
+      logical = {problem: np.flatnonzero(np.isin(physical, bad))
+                 for problem, bad in rows.items()}
+      logical = {k: v for k, v in logical.items() if v.size}
+      if logical:
+        found.append((f"table {table!r} ", logical))
+  quantize.raise_if_unservable(dtype, found, "collection quantize")
+
+
 def fresh_slot_map(stack, sharding):
   """A stack's empty slot map, placed (None for a stack that sorts)."""
   if not stack.slot_map:

@@ -207,9 +207,10 @@ def make_context(mesh: jax.sharding.Mesh,
       count); informs collective placement only.
     replica_axis: optional mesh axis name(s) over which the whole table is
       replicated; tokens are then sharded over replica_axis + data_axis.
-    padding_id: the id that marks padding: it is looked up like any id but
-      gets no gradient (the reference's convention, 0); None makes every id
-      a real row.
+    padding_id: the id of the padding row (the reference's convention,
+      0): the row is looked up like any other but gets no gradient,
+      whatever id reaches it after the wrap and clamp (with 0, also
+      -vocab_rows); None makes every id a real row.
   """
   table_axis, data_axis, replica_axis = check_layout(
       mesh, table_axis, data_axis, replica_axis, "make_context")
@@ -242,12 +243,22 @@ def make_context(mesh: jax.sharding.Mesh,
   )
 
 
-def check_padding_id(padding_id) -> None:
+def check_padding_id(padding_id, vocab_rows: int | None = None,
+                     what: str = "") -> None:
+  """An int id or None; with `vocab_rows`, an id of a row of the table
+  (`[-vocab_rows, vocab_rows)`: the padding row is the one it reaches)."""
   if padding_id is not None and (isinstance(padding_id, bool) or
                                  not isinstance(padding_id, (int, np.integer))):
     raise InputError(
         f"pallas_emb padding_id={padding_id!r} must be an int id or None "
         "(None: every id is a real row that trains).")
+  if (padding_id is not None and vocab_rows is not None
+      and not -vocab_rows <= padding_id < vocab_rows):
+    raise InputError(
+        f"pallas_emb {what + ' ' if what else ''}padding_id={padding_id} is "
+        f"not a row of its {vocab_rows}-row table; expected an id in "
+        f"[{-vocab_rows}, {vocab_rows}) (the row it reaches is the padding "
+        "row), or None.")
 
 
 # --- per-call checks (shapes, dtypes, shardings, backend) --------------------
@@ -288,6 +299,33 @@ def resolve_backend(mesh_or_ctx, backend: str | None) -> str:
         f"backend='pallas' for the {platform!r} Pallas backend or None for "
         "the platform's fastest.")
   return backend
+
+
+# The Pallas backends that compile for an accelerator, and the interpreter
+# that runs the same kernels on a CPU.
+_COMPILED = {"triton": ("GPU", "interpret"),
+             "mosaic_tpu": ("TPU", "mosaic_tpu_interpret")}
+
+
+def check_runs_on(backend: str, platform: str, args, where: str) -> None:
+  """InputError if `backend` compiles for an accelerator but `args` (the
+  call's arrays) are concrete arrays on `platform` "cpu": they would run
+  there, which Pallas cannot. Under a trace nothing runs here (a step may
+  be lowered for the accelerator from a CPU), so tracers pass."""
+  if backend not in _COMPILED or platform != "cpu":
+    return
+  if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(args)):
+    return
+  target, interpreter = _COMPILED[backend]
+  raise InputError(
+      f"pallas_emb {where}: backend={backend!r} compiles its kernels for "
+      f"{target}s, but the arrays are on platform 'cpu', where Pallas runs "
+      f"kernels in interpret mode only. Use backend={interpreter!r} to run "
+      "the same kernels on the CPU (of the interpreters, 'interpret' runs "
+      "the Triton kernels, 'mosaic_tpu_interpret' the Mosaic ones), or "
+      "'xla'; keep "
+      f"{backend!r} to lower a step for {target} from the CPU "
+      "(jax.jit(step).trace(...).lower(lowering_platforms=...)).")
 
 
 DEDUPS = ("sort", "slot_map")

@@ -155,6 +155,18 @@ class CheckpointTest(_DirTest):
         r"directory given to save\(\)"):
       ckpt.restore(missing, _target(_mesh(1)))
 
+  def test_error_a_file_is_not_a_directory(self):
+    path = os.path.join(self.dir, "state.ckpt")
+    with open(path, "w") as f:
+      f.write("not a checkpoint")
+    message = (r"^pallas_emb checkpoint directory .*state.ckpt is a file, "
+               r"not a directory; pass the directory given to save\(\)")
+    for call in (lambda: ckpt.restore(path, _target(_mesh(1))),
+                 lambda: ckpt.latest_step(path),
+                 lambda: ckpt.save(path, {"v": jnp.ones(2)}, step=1)):
+      with self.assertRaisesRegex(ckpt.CheckpointError, message):
+        call()
+
   def test_error_empty_directory(self):
     with self.assertRaisesRegex(
         ckpt.CheckpointError, r"holds no complete checkpoint; save one first"):
@@ -546,6 +558,42 @@ class CollectionCheckpointTest(_DirTest):
       for a, b in zip(jax.tree.leaves(coll.table_arrays(got)),
                       jax.tree.leaves(coll.table_arrays(want))):
         np.testing.assert_array_equal(_bits(a), _bits(b))
+
+  def test_each_restore_says_what_another_checkpoint_holds(self):
+    """restore_collection of a serving or plain orbax checkpoint and
+    restore_serving of a training one name what the directory holds and
+    the restore that reads it."""
+    coll = _collection(2, ["items", "users"])
+    state = test_util.random_state(coll, 0)
+    kinds = {"training": os.path.join(self.dir, "training"),
+             "serving": os.path.join(self.dir, "serving"),
+             "other": os.path.join(self.dir, "other")}
+    ckpt.save_collection(kinds["training"], coll, state, step=1)
+    ckpt.save(kinds["serving"], coll.quantize(state, "int8"), step=2)
+    ocp, epath = ckpt._orbax()  # pylint: disable=protected-access
+    with ocp.StandardCheckpointer() as ckptr:  # orbax's own, not ours
+      ckptr.save(epath.Path(kinds["other"]) / "3",
+                 {"params": {"w": np.ones(3, np.float32)}, "step": 3})
+      ckptr.wait_until_finished()
+    for kind, message in (
+        ("serving", r"restore_collection: checkpoint .*serving/2 holds an "
+         r"int8 serving state \(save\(\) of coll.quantize\(state, "
+         r"'int8'\)\), not the logical tables that save_collection writes; "
+         r"restore it with restore_serving\(directory, coll, 'int8'\)"),
+        ("other", r"other/3 holds a tree of 2 arrays that no pallas_emb "
+         r"collection function wrote \(top-level keys \['params', "
+         r"'step'\]\), not the logical tables .*restore\(directory, "
+         r"target\)")):
+      with self.assertRaisesRegex(pe.CheckpointError, message):
+        ckpt.restore_collection(kinds[kind], coll)
+    with self.assertRaisesRegex(
+        pe.CheckpointError,
+        r"restore_serving: checkpoint .*training/1 holds a training "
+        r"checkpoint \(save_collection: logical tables \['items', "
+        r"'users'\] and their optimizer states\), not a bfloat16 serving "
+        r"state; restore it with restore_collection\(directory, coll\), "
+        r"then serve coll.quantize\(state, 'bfloat16'\)"):
+      ckpt.restore_serving(kinds["training"], coll, "bfloat16")
 
   def test_unknown_saved_table(self):
     saved_coll = _collection(2, ["items", "users"])

@@ -288,6 +288,31 @@ class StackingTest(absltest.TestCase):
     _, stats = coll.apply_gradients(state, {"f": np.ones(8, np.int32)}, grads)
     coll.raise_if_overflow(stats)
 
+  def test_overflow_names_every_stack(self):
+    """Two stacks over their caps in one step (a column table's max_unique,
+    a row table's max_ids_per_partition): both are named."""
+    tables = [pe.TableSpec("a", 100, 8, optimizer=pe.Sgd(0.1), max_unique=2),
+              pe.TableSpec("b", 100, 4, optimizer=pe.Sgd(0.1)),
+              pe.TableSpec("c", 100, 8, optimizer=pe.Sgd(0.1),
+                           placement="row", max_ids_per_partition=1)]
+    coll = pe.EmbeddingCollection(
+        tables, [pe.FeatureSpec(t.name, t.name) for t in tables], self.mesh,
+        "x", backend="xla")
+    batch = {name: np.arange(1, 9, dtype=np.int32) for name in "ab"}
+    batch["c"] = np.int32([1, 5, 2, 6, 3, 7, 4, 8])  # a rank's 2 ids: 1 owner
+    grads = {name: np.ones((8, t.emb_width), np.float32)
+             for name, t in zip("abc", tables)}
+    _, stats = coll.apply_gradients(test_util.random_state(coll, 0), batch,
+                                    grads)
+    self.assertEqual([int(s.num_overflow) for s in stats.values()],
+                     [6, 0, 4])
+    with self.assertRaisesRegex(
+        pe.UniqueOverflowError,
+        r"pallas_emb stack0: tables \['a'\] had 6 more distinct ids .* "
+        r"max_unique .*\. stack2: tables \['c'\] had 4 more distinct ids "
+        r".*max_ids_per_partition"):
+      coll.raise_if_overflow(stats)
+
   def test_non_finite_gradient_skips_the_stack(self):
     coll = pe.EmbeddingCollection(self.tables, self.features, self.mesh, "x")
     state = test_util.random_state(coll, 4)
@@ -315,11 +340,8 @@ def model_distinct_rows(coll, batch, weights=None):
   rows = {name: [] for name in coll.tables}
   for f in coll.features.values():
     table = coll.tables[f.table]
-    ids = np.asarray(batch[f.name]).reshape(-1).astype(np.int64)
-    r = np.where(ids < 0, ids + table.vocab_rows, ids)
-    keep = (r >= 0) & (r < table.vocab_rows)
-    if table.padding_id is not None:
-      keep &= ids != table.padding_id
+    r, keep, _ = numpy_model.resolve(np.asarray(batch[f.name]).reshape(-1),
+                                     table.vocab_rows, table.padding_id)
     if f.name in weights:
       keep &= np.asarray(weights[f.name]).reshape(-1) != 0
     rows[f.table].append(r[keep])
@@ -639,6 +661,11 @@ class ValidationTest(parameterized.TestCase):
        "max_unique=0 must be a positive integer"),
       (lambda o: pe.TableSpec("t", 10, 8, optimizer=o, padding_id=1.5),
        "padding_id=1.5 must be an int id or None"),
+      (lambda o: pe.TableSpec("t", 10, 8, optimizer=o, padding_id=10),
+       r"TableSpec 't' padding_id=10 is not a row of its 10-row table; "
+       r"expected an id in \[-10, 10\)"),
+      (lambda o: pe.TableSpec("t", 10, 8, optimizer=o, padding_id=-11),
+       r"padding_id=-11 is not a row"),
       (lambda o: pe.FeatureSpec("f", "t", weighted=True),
        "weighted=True needs a combiner"),
   )
@@ -725,6 +752,51 @@ class ValidationTest(parameterized.TestCase):
     with self.assertRaisesRegex(pe.ShardingError, re.escape(
         "expected P(None, 'x')")):
       coll.lookup(bad, batch)
+
+
+
+class AcceleratorBackendOnCpuTest(parameterized.TestCase):
+  """`backend="triton"` / `"mosaic_tpu"` on a CPU mesh: accepted (a step
+  lowers for the accelerator from the CPU), but the first eager lookup or
+  update is the library's InputError naming the backend, the platform and
+  the interpreters, not Pallas' own."""
+
+  @parameterized.parameters(("triton", "GPU", "cuda"),
+                            ("mosaic_tpu", "TPU", "tpu"))
+  def test_eager_calls_say_which_interpreter(self, backend, target,
+                                             platform):
+    mesh = test_util.mesh({"x": 2})
+    opt = pe.Sgd(0.1)
+    coll = pe.EmbeddingCollection([pe.TableSpec("t", 16, 8, optimizer=opt)],
+                                  [pe.FeatureSpec("f", "t")], mesh, "x",
+                                  backend=backend)
+    state = test_util.random_state(coll, 0)
+    batch = {"f": np.int32([1, 2, 3, 4])}
+    grads = {"f": np.ones((4, 8), np.float32)}
+    message = (rf"backend='{backend}' compiles its kernels for {target}s, "
+               r"but the arrays are on platform 'cpu'.*'interpret' runs the "
+               r"Triton kernels, 'mosaic_tpu_interpret' the Mosaic ones")
+    ctx = pe.make_context(mesh, "x", tokens_per_batch=4, emb_width=8,
+                          num_unique=5)
+    table = state.stacks["stack0"].table
+    for call in (lambda: coll.lookup(state, batch),
+                 lambda: coll.lookup_and_route(state, batch),
+                 lambda: coll.apply_gradients(state, batch, grads),
+                 lambda: coll.lookup(coll.quantize(state, "int8"), batch),
+                 lambda: pe.lookup(ctx, table, batch["f"], backend=backend),
+                 lambda: pe.lookup_and_dedup(ctx, table, batch["f"],
+                                             backend=backend),
+                 lambda: pe.apply_gradients(
+                     ctx, opt, table, opt.init(ctx, table), grads["f"],
+                     pe.dedup(ctx, batch["f"], vocab_rows=16),
+                     backend=backend)):
+      with self.assertRaisesRegex(pe.InputError, message):
+        call()
+    # Traced, nothing runs on the CPU: the step lowers for the accelerator.
+    lowered = jax.jit(coll.lookup).trace(state, batch).lower(
+        lowering_platforms=(platform,))
+    self.assertIn("tpu_custom_call" if platform == "tpu" else
+                  "__gpu$xla.gpu.triton", lowered.as_text())
 
 
 if __name__ == "__main__":

@@ -73,6 +73,20 @@ class DedupTest(chex.TestCase):
                                   [VOCAB - 1] + [pe.FILL_VALUE] * 4)
     np.testing.assert_array_equal(result.segment_ids, [-1, -1, 0, -1])
 
+  @parameterized.parameters((0, [-VOCAB, 0, -VOCAB - 1, 5], [-1, -1, -1, 0]),
+                            (VOCAB - 1, [-1, VOCAB, 3, 3], [-1, -1, 0, 0]),
+                            (-1, [VOCAB - 1, -1, 3, 5], [-1, -1, 0, 1]))
+  def test_ids_reaching_the_padding_row_take_no_slot(self, padding_id, ids,
+                                                      segments):
+    """The padding row never trains, whatever id reaches it after the wrap
+    (-VOCAB with padding 0; -1 with padding VOCAB - 1) or the clamp."""
+    ctx = context(2, 4, 5, padding_id)
+    result = pe.dedup(ctx, np.array(ids, np.int32), vocab_rows=VOCAB)
+    np.testing.assert_array_equal(result.segment_ids, segments)
+    uniq, segs, _ = numpy_model.dedup(np.array(ids), 5, VOCAB, padding_id)
+    np.testing.assert_array_equal(result.unique_tokens, uniq)
+    np.testing.assert_array_equal(segs, segments)
+
   def test_vocab_rows_is_required(self):
     ctx = context(2, 4, 5)
     with self.assertRaisesRegex(TypeError, "vocab_rows"):

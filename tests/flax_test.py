@@ -941,10 +941,11 @@ class EmbeddingCollectionModuleTest(parameterized.TestCase):
     def ref_loss(table, padding_trains=False):
       emb = {}
       for k in ("item", "history"):
-        rows = table[jnp.where(host[k] < 0, host[k] + 29, host[k])]
-        # The padding id (the raw id 0, not -29 that wraps onto row 0)
-        # gets no gradient.
-        pad = (host[k] == 0)[..., None]
+        index = jnp.where(host[k] < 0, host[k] + 29, host[k])
+        rows = table[index]
+        # The padding row gets no gradient, whatever id reaches it (0, and
+        # -29 that wraps onto row 0).
+        pad = (index == 0)[..., None]
         emb[k] = (rows if padding_trains else
                   jnp.where(pad, jax.lax.stop_gradient(rows), rows))
       return jnp.sum(weights @ (emb["item"] + emb["history"].sum(1)))

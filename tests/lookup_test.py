@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+import numpy_model
 import pallas_emb as pe
 from pallas_emb import kernels
 from pallas_emb.kernels.triton import gather
@@ -38,14 +39,11 @@ def model_lookup(table: np.ndarray, ids: np.ndarray) -> np.ndarray:
 
 
 def model_table_grad(table, ids, cotangent, padding_id=0):
-  """The dense cotangent: a scatter-add over the ids that train (wrapped
-  once and inside the table; the padding id gets nothing), as the sparse
-  update trains them."""
-  ids = ids.reshape(-1).astype(np.int64)
-  rows = np.where(ids < 0, ids + table.shape[0], ids)
-  trains = (rows >= 0) & (rows < table.shape[0])
-  if padding_id is not None:
-    trains &= ids != padding_id
+  """The dense cotangent: a scatter-add over the ids that train
+  (`numpy_model.resolve`: wrapped once and inside the table; the padding
+  row gets nothing), as the sparse update trains them."""
+  rows, trains, _ = numpy_model.resolve(ids.reshape(-1), table.shape[0],
+                                        padding_id)
   grad = np.zeros(table.shape, np.float64)
   np.add.at(grad, rows[trains],
             cotangent.reshape(-1, table.shape[1])[trains])

@@ -17,25 +17,38 @@ def rnd(x, dtype):
   return np.asarray(x, np.float32).astype(dtype).astype(np.float32)
 
 
+def resolve(ids, vocab_rows, padding_id):
+  """The documented rule, per id: `(row, trains, padding)`. The row it
+  reads: wrapped once if negative, then clamped into the table. Padding:
+  it reaches the padding row (padding_id's row) after that wrap and clamp.
+  Trains: inside the table after the wrap, and not padding: the padding row
+  never trains, whatever id reaches it."""
+  raw = np.asarray(ids).astype(np.int64)
+  wrapped = np.where(raw < 0, raw + vocab_rows, raw)
+  row = np.clip(wrapped, 0, vocab_rows - 1)
+  inside = (wrapped >= 0) & (wrapped < vocab_rows)
+  if padding_id is None:
+    return row, inside, np.zeros(row.shape, bool)
+  pad_row = padding_id + vocab_rows if padding_id < 0 else padding_id
+  padding = row == pad_row
+  return row, inside & ~padding, padding
+
+
 def dedup(ids, num_unique, vocab_rows, padding_id=0):
   """Sorted unique rows padded with FILL, and segment ids.
 
-  Every id is wrapped exactly once (negative: += vocab_rows); ids still
-  outside the table take no slot and get segment -1, as does the padding
-  id (padding changes nothing, not even the decay of its row's state).
+  Only the ids that train (`resolve`) take a slot; the others (outside the
+  table after one wrap, padding) get segment -1 (padding changes nothing,
+  not even the decay of its row's state).
   """
-  raw = np.asarray(ids).reshape(-1).astype(np.int64)
-  flat = np.where(raw < 0, raw + vocab_rows, raw)
-  valid = (flat >= 0) & (flat < vocab_rows)
-  if padding_id is not None:
-    valid &= raw != padding_id
+  flat, valid, _ = resolve(np.asarray(ids).reshape(-1), vocab_rows,
+                           padding_id)
   uniq = np.unique(flat[valid])
   table = np.full(num_unique, FILL, np.int64)
   table[:min(num_unique, uniq.size)] = uniq[:num_unique]
   where = {int(t): i for i, t in enumerate(uniq[:num_unique])}
-  segs = np.array([
-      -1 if (not ok or (padding_id is not None and r == padding_id))
-      else where.get(int(t), -1) for r, t, ok in zip(raw, flat, valid)])
+  segs = np.array([where.get(int(t), -1) if ok else -1
+                   for t, ok in zip(flat, valid)])
   return table.astype(np.int32), segs.reshape(np.shape(ids)), uniq.size
 
 
@@ -261,28 +274,23 @@ class Ftrl(SparseModel):
 # is wrapped once (negative: += vocab_rows), then clamped into its table; a
 # pooled bag is `sum_k c_k * row_k` in f32, entry by entry, rounded once to
 # the table dtype, with combiner weights c (`sum`: w, `mean`: w / sum(w),
-# `sqrtn`: w / sqrt(sum(w^2)); the padding id weighs 0).
+# `sqrtn`: w / sqrt(sum(w^2)); padding weighs 0, `resolve`).
 # ---------------------------------------------------------------------------
 
 
 def wrap_clamp(ids, vocab_rows):
-  raw = np.asarray(ids).astype(np.int64)
-  return np.clip(np.where(raw < 0, raw + vocab_rows, raw), 0, vocab_rows - 1)
+  return resolve(ids, vocab_rows, None)[0]
 
 
 def trains(ids, vocab_rows, padding_id):
-  """Which ids train: inside the table after one wrap, not the padding id."""
-  raw = np.asarray(ids).astype(np.int64)
-  wrapped = np.where(raw < 0, raw + vocab_rows, raw)
-  ok = (wrapped >= 0) & (wrapped < vocab_rows)
-  return ok if padding_id is None else ok & (raw != padding_id)
+  """Which ids train (`resolve`)."""
+  return resolve(ids, vocab_rows, padding_id)[1]
 
 
-def combiner_weights(ids, weights, combiner, padding_id):
+def combiner_weights(ids, weights, combiner, padding_id, vocab_rows):
   """f32 `[B, L]` weights each entry enters its bag's pool with."""
   w = np.asarray(weights, F32).copy()
-  if padding_id is not None:
-    w[np.asarray(ids) == padding_id] = 0
+  w[resolve(ids, vocab_rows, padding_id)[2]] = 0
   if combiner == "sum":
     return w
   total = np.zeros(w.shape[0], F32)

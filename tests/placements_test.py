@@ -118,7 +118,8 @@ class Model:
   def _cw(self, f, ids, weights):
     spec = self.coll.tables[f.table]
     w = np.ones(ids.shape, np.float32) if weights is None else weights
-    return numpy_model.combiner_weights(ids, w, f.combiner, spec.padding_id)
+    return numpy_model.combiner_weights(ids, w, f.combiner, spec.padding_id,
+                                        spec.vocab_rows)
 
   def lookup(self, raw):
     out = {}
@@ -396,6 +397,49 @@ class ExplicitMeshTest(parameterized.TestCase):
       self.assertTrue(all(np.isfinite(test_util.as_numpy(x).astype(
           np.float32)).all() for x in fresh if x.dtype.kind == "f"))
     self.assertEqual(auto.plan.describe(), explicit.plan.describe())
+
+  def _small_pair(self):
+    """One small collection on both mesh kinds, and a batch."""
+    specs = [pe.TableSpec("t", 20, 8, optimizer=pe.Sgd(0.5))]
+    features = [pe.FeatureSpec("f", "t")]
+    return [pe.EmbeddingCollection(specs, features, test_util.mesh(
+        {"x": 2}, explicit=explicit), "x", backend="xla")
+            for explicit in (False, True)], {"f": np.int32([3, -1, 7, 3])}
+
+  def test_states_and_routings_move_between_mesh_kinds(self):
+    """A state, routing or serving state of the collection built on one
+    mesh kind is read by the same collection on the other, relabelled (the
+    same buffers, no copy)."""
+    (auto, explicit), batch = self._small_pair()
+    for source, target in ((auto, explicit), (explicit, auto)):
+      state = test_util.random_state(source, 0)
+      emb, routing = source.lookup_and_route(state, batch)
+      want, _ = source.apply_gradients(state, routing, emb)
+      serving = source.quantize(state, "int8")
+      for got, expected in zip(
+          jax.tree.leaves((target.lookup(state, batch),
+                           target.apply_gradients(state, routing, emb)[0],
+                           target.lookup(serving, batch))),
+          jax.tree.leaves((emb, want, source.lookup(serving, batch)))):
+        test_util.assert_bits_equal(self, got, test_util.as_numpy(expected))
+      placed = target._tables(state)  # pylint: disable=protected-access
+      for table, stack in zip(placed, source.plan.stacks):
+        pointers = lambda x: [s.data.unsafe_buffer_pointer()
+                              for s in x.addressable_shards]
+        self.assertEqual(pointers(table),
+                         pointers(state.stacks[stack.name].table))
+
+  @parameterized.parameters(False, True)
+  def test_a_batch_on_one_device_is_placed(self, explicit):
+    """`jax.device_put(ids, devices[3])` (committed to a device outside
+    the 2-rank mesh) is placed like any batch, on both mesh kinds."""
+    colls, batch = self._small_pair()
+    coll = colls[explicit]
+    state = test_util.random_state(coll, 0)
+    moved = {k: jax.device_put(v, jax.devices()[3]) for k, v in batch.items()}
+    for got, want in zip(jax.tree.leaves(coll.lookup(state, moved)),
+                         jax.tree.leaves(coll.lookup(state, batch))):
+      test_util.assert_bits_equal(self, got, test_util.as_numpy(want))
 
   def test_checkpoint_moves_between_mesh_kinds(self):
     (auto, _, _), (explicit, _, _) = self._pair()
@@ -972,6 +1016,75 @@ class DenseGradTest(parameterized.TestCase):
                   g[ok])
       np.testing.assert_allclose(test_util.as_numpy(table), want, rtol=2e-6,
                                  atol=2e-6, err_msg=name)
+
+
+
+class PaddingRowTest(parameterized.TestCase):
+  """The padding row never trains, whatever id reaches it after the wrap
+  and clamp (padding_id=0: -100 on 100 rows, and -150 clamped; padding_id
+  99 or -1: -1, and 250 clamped), on every placement, through sequence and
+  weighted pooled features, the sparse update and jax.grad; it is read
+  like any row (a pooled feature weighs it 0). Against the numpy model,
+  whose rule is `numpy_model.resolve`."""
+
+  @parameterized.parameters((2, False), (8, True))
+  def test_padding_row_never_trains(self, ranks, explicit):
+    tables, features, batch, raw = [], [], {}, {}
+    weights = np.float32([[1, 1], [0.5, 1], [1, 2], [1, 1], [1, 1], [1, 0],
+                          [1, 1], [2, 1]])
+    for name, padding_id in zip(PLACEMENTS, (0, 99, -1, 0)):
+      pad = padding_id % 100
+      tables.append(pe.TableSpec(name, 100, 8, optimizer=pe.Sgd(0.5),
+                                 padding_id=padding_id, placement=name))
+      features += [pe.FeatureSpec(f"{name}_seq", name),
+                   pe.FeatureSpec(f"{name}_bag", name, combiner="sum",
+                                  weighted=True)]
+      reach = -100 if pad == 0 else -1  # wraps onto the padding row
+      clamp = -150 if pad == 0 else 250  # clamps onto it
+      seq = np.int32([reach, reach, pad, 5, -95, 3, clamp, -150 + pad])
+      bag = np.int32([[reach, 4], [4, pad], [-96, reach], [7, 7],
+                      [clamp, 2], [1, 250], [reach, reach], [9, 8]])
+      batch[f"{name}_seq"], raw[f"{name}_seq"] = seq, (seq, None)
+      batch[f"{name}_bag"] = pe.Bag(bag, weights=weights)
+      raw[f"{name}_bag"] = (bag, weights)
+    mesh = test_util.mesh({"x": ranks}, explicit=explicit)
+    coll = pe.EmbeddingCollection(tables, features, mesh, "x",
+                                  backend="xla")
+    state = test_util.random_state(coll, 0)
+    before = {k: test_util.as_numpy(v)
+              for k, v in coll.table_arrays(state).items()}
+    model = Model(coll, before)
+    emb, routing = coll.lookup_and_route(state, batch)
+    want = model.lookup(raw)
+    for name, got in emb.items():
+      np.testing.assert_array_equal(test_util.as_numpy(got), want[name],
+                                    err_msg=name)
+    cts = {k: np.ones(e.shape, np.float32) for k, e in emb.items()}
+
+    def loss(stacks):
+      embs = coll.lookup(coll.state_from_stacks(stacks), batch)
+      return sum(jnp.sum(embs[k] * cts[k]) for k in embs)
+
+    with jax.set_mesh(mesh):  # eager grads on Explicit axes need it
+      dense = coll.table_arrays(coll.state_from_stacks(jax.grad(loss)(
+          {n: s.table for n, s in state.stacks.items()})))
+    state, _ = coll.apply_gradients(state, routing, cts)
+    model.step(raw, cts)
+    after = coll.table_arrays(state)
+    for spec in tables:
+      name, pad = spec.name, spec.padding_id % 100
+      got = test_util.as_numpy(after[name])
+      np.testing.assert_array_equal(got[pad], before[name][pad],
+                                    err_msg=f"{name}: the padding row moved")
+      self.assertFalse(np.any(test_util.as_numpy(dense[name])[pad]),
+                       f"{name}: the padding row has a dense gradient")
+      self.assertFalse(np.array_equal(got[[4, 5]], before[name][[4, 5]]),
+                       name)  # the other rows do train
+      assert_tables_close(got, model.models[name].table, name)
+      # The sparse step is lr x the dense gradient.
+      np.testing.assert_allclose(before[name] - got,
+                                 0.5 * test_util.as_numpy(dense[name]),
+                                 rtol=1e-6, atol=1e-6, err_msg=name)
 
 
 if __name__ == "__main__":

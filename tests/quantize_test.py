@@ -150,9 +150,9 @@ class QuantizeTest(parameterized.TestCase):
     self.assertTrue(cast.sharding.is_equivalent_to(sharded.sharding, 2))
 
   @parameterized.named_parameters(
-      ("nan", np.nan, "it holds a NaN or an infinity"),
-      ("inf", np.inf, "it holds a NaN or an infinity"),
-      ("overflow", -3e38, "its max - min overflows float32"))
+      ("nan", np.nan, "a NaN or an infinity"),
+      ("inf", np.inf, "a NaN or an infinity"),
+      ("overflow", -3e38, "max - min overflows float32"))
   def test_rejects_non_finite_rows(self, value, why):
     table = np.ones((6, 4), F32) * 3e38
     table[:, 1:] = 1.0
@@ -162,14 +162,56 @@ class QuantizeTest(parameterized.TestCase):
     else:
       table[:, 0] = 1.0
     with self.assertRaisesRegex(
-        errors.InputError, rf"1 table rows cannot be quantized to int8 "
-        rf"\(first: row 4, {why}\)"):
+        errors.InputError, rf"quantize_rows: 1 table row cannot be served "
+        rf"as int8 \(row 4: {why}\)"):
       quantize.quantize_rows(table, "int8")
     # Under jit nothing is concrete: the row reads back as NaN, not silently.
     out = jax.jit(lambda t: quantize.quantize_rows(t, "int8"))(table)
     back = np.asarray(quantize.dequantize_rows(out))
     self.assertTrue(np.all(np.isnan(back[4])))
     self.assertTrue(np.all(np.isfinite(back[:4])))
+
+  @parameterized.product(ranks=(2, 8), explicit=(False, True))
+  def test_non_finite_rows_of_a_column_sharded_table(self, ranks, explicit):
+    """XLA:CPU's min and max over the sharded columns drop a NaN: every
+    NaN and infinity is still found (all rows named), and under jit such a
+    row still reads back as NaN."""
+    mesh = test_util.mesh({"x": ranks}, explicit=explicit)
+    table = edge_table(5, 40, 8)
+    table[7, 1], table[9, 6], table[30, 0], table[30, 7] = (
+        np.nan, np.inf, np.nan, -np.inf)
+    sharded = jax.device_put(table, NamedSharding(mesh, P(None, "x")))
+    with self.assertRaisesRegex(
+        errors.InputError, r"3 table rows cannot be served as int8 "
+        r"\(rows \[7, 9, 30\]: a NaN or an infinity\)"):
+      quantize.quantize_rows(sharded, "int8")
+    out = jax.jit(lambda t: quantize.quantize_rows(t, "int8"))(sharded)
+    back = np.asarray(quantize.dequantize_rows(out))
+    bad = np.isin(np.arange(40), [7, 9, 30])
+    self.assertTrue(np.all(np.isnan(back[bad])))
+    self.assertTrue(np.all(np.isfinite(back[~bad])))
+
+  @parameterized.parameters(("float16", 1e5, "65504"),
+                            ("float16", -65520.0, "65504"),
+                            ("bfloat16", 3.4e38, "3.3895e\\+38"))
+  def test_casts_reject_values_beyond_their_range(self, dtype, value,
+                                                  largest):
+    """A finite value that the cast would make infinite (float16 above
+    65504; bfloat16 above ~3.3962e38 from f32) is named; a NaN or an
+    infinity is cast as it is."""
+    table = np.random.default_rng(9).standard_normal((12, 4)).astype(F32)
+    table[[2, 8], 1] = value
+    table[5, 0], table[6, 3] = np.nan, np.inf
+    with self.assertRaisesRegex(
+        errors.InputError, rf"2 table rows cannot be served as {dtype} "
+        rf"\(rows \[2, 8\]: a finite value beyond {dtype}'s range "
+        rf"\(largest {largest}\)"):
+      quantize.quantize_rows(table, dtype)
+    table[[2, 8], 1] = 0
+    want = table.astype(ml_dtypes.bfloat16 if dtype == "bfloat16" else
+                        np.float16)
+    test_util.assert_bits_equal(self, quantize.quantize_rows(table, dtype),
+                                want)
 
   def test_argument_checks(self):
     with self.assertRaisesRegex(errors.InputError,

@@ -10,6 +10,7 @@ once to the output dtype (f32 for int8). Also: the int8 error bound, the
 checks, a checkpoint round trip, and an export loaded in a fresh process.
 """
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -28,9 +29,11 @@ import numpy as np
 import pallas_emb as pe
 from pallas_emb import checkpoint
 from pallas_emb import export
+from pallas_emb import placement as placement_lib
 from pallas_emb import quantize
 from pallas_emb.state import ServingState
 from pallas_emb.testing import hlo
+import numpy_model
 import quantize_test
 
 F32 = np.float32
@@ -107,11 +110,10 @@ def np_served_table(table, dtype):
 
 
 def np_rows(ids, vocab):
-  ids = np.asarray(ids, np.int64)
-  return np.clip(np.where(ids < 0, ids + vocab, ids), 0, vocab - 1)
+  return numpy_model.wrap_clamp(ids, vocab)
 
 
-def np_combiner_weights(bag, combiner, padding_id):
+def np_combiner_weights(bag, combiner, padding_id, vocab):
   if isinstance(bag, pe.Bag):
     ids = np.asarray(bag.ids)
     if bag.weights is not None:
@@ -122,8 +124,7 @@ def np_combiner_weights(bag, combiner, padding_id):
   else:
     ids = np.asarray(bag)
     w = np.ones(ids.shape, F32)
-  if padding_id is not None:
-    w = np.where(ids == padding_id, F32(0), w)
+  w = np.where(numpy_model.resolve(ids, vocab, padding_id)[2], F32(0), w)
   if combiner == "sum":
     return ids, w
   total = (w.sum(1, keepdims=True, dtype=F32) if combiner == "mean" else
@@ -144,7 +145,8 @@ def np_lookup(host, batch, dtype):
       out[f.name] = served[np_rows(batch[f.name], spec.vocab_rows)].astype(
           out_dtype)
       continue
-    ids, w = np_combiner_weights(batch[f.name], f.combiner, spec.padding_id)
+    ids, w = np_combiner_weights(batch[f.name], f.combiner, spec.padding_id,
+                                 spec.vocab_rows)
     rows = np_rows(ids, spec.vocab_rows)
     acc = np.zeros((ids.shape[0], spec.emb_width), F32)
     for k in range(ids.shape[1]):
@@ -236,6 +238,62 @@ class ServingTest(parameterized.TestCase):
                       found["all-to-all"]["operand_bytes"]),
                      (2, 4 * 3 * 4 + 4 * 3 * (16 + 8)), str(found))
 
+  @parameterized.parameters(("int8", ("column", "row", "replicated")),
+                            ("bfloat16", ("table", "column", "row")))
+  def test_jax_grad_through_a_serving_lookup(self, dtype, placements):
+    """Gradients w.r.t. the serving copies: per table, the dense cotangent
+    G of the rows read (every entry that trains adds its embedding's
+    cotangent times its combiner weight); an int8 row's scale gets
+    sum(codes * G), its bias sum(G); a cast copy gets G."""
+    coll = make_collection(2, "xla", placements)
+    serving = coll.quantize(self.state(coll), dtype)
+    batch = make_batch()
+    rng = np.random.default_rng(7)
+    out_dtype = F32 if dtype == "int8" else CASTS[dtype]
+    cts = {k: rng.standard_normal(v.shape).astype(out_dtype)
+           for k, v in coll.lookup(serving, batch).items()}
+
+    def loss(stacks):
+      out = coll.lookup(dataclasses.replace(serving, stacks=stacks), batch)
+      return sum(jnp.sum(out[k].astype(F32) * cts[k].astype(F32))
+                 for k in out)
+
+    grads = jax.grad(loss, allow_int=True)(serving.stacks)
+    specs = {t.name: t for t in tables(placements)}
+    dense = {name: np.zeros((t.vocab_rows, t.emb_width), np.float64)
+             for name, t in specs.items()}
+    for f in features():
+      spec = specs[f.table]
+      ct = cts[f.name].astype(np.float64)
+      if f.combiner is None:
+        ids, g = np.asarray(batch[f.name]), ct
+      else:
+        ids, w = np_combiner_weights(batch[f.name], f.combiner,
+                                     spec.padding_id, spec.vocab_rows)
+        g = w[..., None] * ct[:, None, :]
+      rows, trains, _ = numpy_model.resolve(ids, spec.vocab_rows,
+                                            spec.padding_id)
+      np.add.at(dense[f.table], rows[trains], g[trains])
+    for stack in coll.plan.stacks:
+      got = jax.tree.map(
+          lambda x, stack=stack: placement_lib.from_physical(
+              stack, test_util.as_numpy(x).astype(np.float64))
+          if x.dtype != jax.dtypes.float0 else None, grads[stack.name])
+      served = jax.tree.map(
+          lambda x, stack=stack: placement_lib.from_physical(
+              stack, test_util.as_numpy(x)), serving.stacks[stack.name])
+      for i, name in enumerate(stack.tables):
+        if dtype == "int8":
+          self.assertEqual(grads[stack.name].codes.dtype, jax.dtypes.float0)
+          codes = served.codes[i].astype(np.float64)
+          want = ((codes * dense[name]).sum(1), dense[name].sum(1))
+          for x, y in zip((got.scale[i], got.bias[i]), want):
+            np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-5,
+                                       err_msg=name)
+        else:
+          np.testing.assert_allclose(got[i], dense[name], rtol=2**-7,
+                                     atol=1e-6, err_msg=name)
+
   def test_int8_sequence_error_bound(self):
     """|served - f32 lookup| <= scale / 2 + 16 u max(|min|, |max|)."""
     coll = make_collection(8, "xla")
@@ -320,9 +378,108 @@ class ServingTest(parameterized.TestCase):
       test_util.assert_bits_equal(self, got[name],
                                   test_util.as_numpy(want[name]), name)
     other = "bfloat16" if dtype == "int8" else "int8"
-    with self.assertRaisesRegex(pe.CheckpointError,
-                                "target tree does not match"):
+    with self.assertRaisesRegex(
+        pe.CheckpointError, rf"holds an? {dtype} serving state .*, not an? "
+        rf"{other} serving state; restore it with dtype='{dtype}'"):
       checkpoint.restore_serving(directory, coll, other)
+
+
+
+# Unservable rows: every placement in one collection, two tables per stack
+# (so that a stack's physical rows are not a table's logical rows).
+PLACEMENTS = ("column", "row", "table", "replicated")
+BAD_ROWS = {7: np.nan, 12: np.inf, 13: -np.inf}  # at columns 1, 5, 6
+SPAN_ROW = 17  # 3e38 and -3e38: max - min overflows float32
+
+
+def unservable_collection(ranks, explicit):
+  specs = [pe.TableSpec(f"{p}{i}", 20 + 10 * i, 8, optimizer=None,
+                        placement=p) for p in PLACEMENTS for i in (1, 2)]
+  return pe.EmbeddingCollection(
+      specs, [pe.FeatureSpec(t.name, t.name) for t in specs],
+      test_util.mesh({"x": ranks}, explicit=explicit), "x", backend="xla")
+
+
+def unservable_tables(coll, bad):
+  """Random logical tables; the second table of each placement with `bad`
+  values (`{row: value}`) at columns 1, 5 and 6 in turn."""
+  rng = np.random.default_rng(3)
+  out = {}
+  for name, spec in coll.tables.items():
+    t = rng.standard_normal((spec.vocab_rows, spec.emb_width)).astype(F32)
+    if name.endswith("2"):
+      for (row, value), column in zip(bad.items(), (1, 5, 6)):
+        t[row, column] = value
+    out[name] = t
+  return out
+
+
+class UnservableRowsTest(parameterized.TestCase):
+  """`coll.quantize` names every logical row a serving copy cannot hold,
+  on every placement, both mesh kinds and 1, 2 or 8 ranks; the rows it
+  serves are the numpy model's."""
+
+  @parameterized.product(ranks=(1, 2, 8), explicit=(False, True))
+  def test_int8_names_every_bad_row_of_every_table(self, ranks, explicit):
+    coll = unservable_collection(ranks, explicit)
+    host = unservable_tables(coll, BAD_ROWS)
+    for p in PLACEMENTS:
+      host[f"{p}2"][SPAN_ROW, [2, 3]] = 3e38, -3e38
+    state = coll.state_from_arrays(host)
+    with self.assertRaises(pe.InputError) as raised:
+      coll.quantize(state, "int8")
+    message = str(raised.exception)
+    self.assertIn(f"{4 * 4} table rows cannot be served as int8", message)
+    for p in PLACEMENTS:
+      self.assertIn(f"table '{p}2' rows [7, 12, 13]: a NaN or an infinity",
+                    message)
+      self.assertIn(f"table '{p}2' row 17: max - min overflows float32",
+                    message)
+      self.assertNotIn(f"'{p}1'", message)
+
+  @parameterized.product(ranks=(2, 8), explicit=(False, True))
+  def test_int8_rows_of_every_placement_match_numpy_model(self, ranks,
+                                                          explicit):
+    """Finite tables: scale and bias equal the numpy model's bit for bit,
+    and every value reads back within scale / 2 (+ f32 rounding)."""
+    coll = unservable_collection(ranks, explicit)
+    host = unservable_tables(coll, {})
+    serving = coll.quantize(coll.state_from_arrays(host), "int8")
+    for stack in coll.plan.stacks:
+      served = [placement_lib.from_physical(stack, test_util.as_numpy(x))
+                for x in serving.stacks[stack.name]]
+      for name, codes, scale, bias in zip(stack.tables, *served):
+        want_codes, want_scale, want_bias = quantize_test.np_quantize(
+            host[name])
+        test_util.assert_bits_equal(self, scale, want_scale, name)
+        test_util.assert_bits_equal(self, bias, want_bias, name)
+        test_util.assert_bits_equal(self, codes, want_codes, name)
+        back = quantize_test.np_dequantize(codes, scale, bias)
+        x = host[name].astype(np.float64)
+        bound = (want_scale[:, None] / 2 +
+                 16 * U * np.abs(x).max(1, keepdims=True))
+        self.assertTrue(np.all(np.abs(back - x) <= bound), name)
+
+  @parameterized.product(ranks=(1, 8), explicit=(False, True))
+  def test_float16_names_values_beyond_its_range(self, ranks, explicit):
+    """1e5 would be served as inf by float16: an error naming the rows;
+    bfloat16 holds it, and NaN / inf stay what they are in a cast."""
+    coll = unservable_collection(ranks, explicit)
+    host = unservable_tables(coll, {3: 1e5, 4: -7e4, 5: np.nan})
+    state = coll.state_from_arrays(host)
+    with self.assertRaises(pe.InputError) as raised:
+      coll.quantize(state, "float16")
+    message = str(raised.exception)
+    self.assertIn("8 table rows cannot be served as float16", message)
+    for p in PLACEMENTS:
+      self.assertIn(f"table '{p}2' rows [3, 4]: a finite value beyond "
+                    "float16's range (largest 65504)", message)
+    serving = coll.quantize(state, "bfloat16")
+    got = test_util.as_numpy(serving.stacks[coll.plan.stacks[0].name])
+    table = placement_lib.from_physical(coll.plan.stacks[0], got)[1]
+    test_util.assert_bits_equal(
+        self, table, host[coll.plan.stacks[0].tables[1]].astype(
+            test_util.BF16))
 
 
 # Runs in the fresh process: argv[1] the export, argv[2] the batch (.npz).

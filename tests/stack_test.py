@@ -34,11 +34,12 @@ OPT_KW = dict(learning_rate=0.1, half_life_steps=3.0, weight_decay=0.05,
               lazy=True)
 
 
-def combiner_weights(combiner, ids, weights, padding_id, dtype=np.float64):
-  """w' per entry of `[B, L]` bags (0 for padding), computed in `dtype`."""
+def combiner_weights(combiner, ids, weights, padding_id, vocab_rows,
+                     dtype=np.float64):
+  """w' per entry of `[B, L]` bags (0 for padding, `numpy_model.resolve`),
+  computed in `dtype`."""
   w = np.asarray(weights, dtype).copy()
-  if padding_id is not None:
-    w[ids == padding_id] = 0.0
+  w[numpy_model.resolve(ids, vocab_rows, padding_id)[2]] = 0.0
   if combiner == "sum":
     return w
   total = (w.sum(axis=1, keepdims=True) if combiner == "mean" else
@@ -121,8 +122,9 @@ class PooledModel:
   def weights(self, name, inputs, dtype=np.float64):
     spec = self.coll.features[name]
     ids, w = inputs[name]
-    return combiner_weights(spec.combiner, ids, w,
-                            self.coll.tables[spec.table].padding_id, dtype)
+    table = self.coll.tables[spec.table]
+    return combiner_weights(spec.combiner, ids, w, table.padding_id,
+                            table.vocab_rows, dtype)
 
   def step(self, batch, inputs, grads):
     for table, model in self.models.items():
