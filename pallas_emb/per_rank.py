@@ -15,6 +15,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 import numpy as np
 
 from pallas_emb import exchange
@@ -28,44 +29,88 @@ def dataflow(layout):
   return row if layout.placement in ("row", "table") else stack
 
 
-def per_stack(coll_order, layouts, all_ids, all_weights):
+def per_stack(coll_order, layouts, all_ids, all_weights, cache_maps=None):
   """Per stack (in plan order): `(layout, its features' ids, the combiner
-  weights of its pooled features)`, from the collection-ordered inputs."""
+  weights of its pooled features, missing)`, from the collection-ordered
+  inputs. A host-tier stack's ids come as keys of its cache rows
+  (`cache_keys`, through its map in `cache_maps`) and `missing` counts its
+  entries whose row is not cached; None for a device stack."""
   order, pooled_order = coll_order
   ids_by = dict(zip(order, all_ids))
   weights_by = dict(zip(pooled_order, all_weights))
-  for layout in layouts:
+  for layout, cache_map in zip(layouts, cache_maps or (None,) * len(layouts)):
     ids = [ids_by[f.name] for f in layout.features]
     weights = [stack.combiner_weights(f, ids_by[f.name],
                                           weights_by[f.name])
                for f in layout.pooled]
-    yield layout, ids, weights
+    missing = None
+    if cache_map is not None:
+      ids, missing = cache_keys(layout, ids, weights, cache_map)
+    yield layout, ids, weights, missing
+
+
+def cache_keys(layout, ids, weights, cache_map):
+  """A host-tier stack's entries as keys of its cache rows, and how many
+  entries of the communicator read a row the cache does not hold (int32).
+
+  `stack.entry_keys` makes each entry's key of its logical row (the id
+  rules of every stack: wrap once, clamp, padding, weight 0); the cache map
+  turns the row into its cache row (docs/host_tier.md). An entry whose row
+  is not cached (its batch was not prefetched: `coll.prefetch`) reads cache
+  row 0 and never trains; the routing adds it to `num_overflow`, which
+  `raise_if_overflow` (and the Trainer) turn into an error.
+  """
+  w_by_name = dict(zip((f.name for f in layout.pooled), weights))
+  out, missing = [], jnp.int32(0)
+  for f, x in zip(layout.features, ids):
+    keys = stack.entry_keys(f, x, w_by_name.get(f.name))
+    cache = jnp.take(cache_map, stack.rows_of(keys))
+    absent = cache < 0
+    missing += jnp.sum(absent, dtype=jnp.int32)
+    cache = jnp.where(absent, 0, cache)
+    out.append(jnp.where((keys >= 0) & ~absent, cache, ~cache))
+  ctx = layout.ctx
+  return out, lax.psum(missing, exchange.axis_name(ctx.table_axis
+                                                   + ctx.replica_axis))
+
+
+def _with_missing(routing, missing):
+  """A routing whose overflow count includes the entries read uncached."""
+  if missing is None:
+    return routing
+  return routing._replace(num_overflow=routing.num_overflow + missing)
 
 
 def lookup_per_rank(backend, kernel_config, coll_order, layouts, tables,
-                     all_ids, all_weights, maps=None, *, route):
+                     all_ids, all_weights, cache_maps=None, maps=None, *,
+                     route):
   """Embeddings of every feature (collection order) [+ each stack's routing,
-  deduped through its slot map where `maps` (per stack) has one]."""
+  deduped through its slot map where `maps` (per stack) has one]; a
+  host-tier stack's rows through its cache map in `cache_maps`."""
   outs, routings = {}, []
-  for (layout, ids, weights), table, slot_map in zip(
-      per_stack(coll_order, layouts, all_ids, all_weights), tables,
-      maps or (None,) * len(layouts)):
+  for (layout, ids, weights, missing), table, slot_map in zip(
+      per_stack(coll_order, layouts, all_ids, all_weights, cache_maps),
+      tables, maps or (None,) * len(layouts)):
     embs = dataflow(layout).lookup_stack(layout, backend, table, ids, weights,
                                          kernel_config, with_routing=route,
                                          **_map_arg(slot_map))
     if route:
       embs, routing = embs
-      routings.append(routing)
+      routings.append(_with_missing(routing, missing))
     outs.update(zip((f.name for f in layout.features), embs))
   embeddings = tuple(outs[name] for name in coll_order[0])
   return (embeddings, tuple(routings)) if route else embeddings
 
 
-def route_per_rank(coll_order, layouts, all_ids, all_weights, maps):
+def route_per_rank(coll_order, layouts, all_ids, all_weights, maps,
+                   cache_maps=None):
   return tuple(
-      dataflow(layout).route_stack(layout, ids, weights, **_map_arg(slot_map))
-      for (layout, ids, weights), slot_map in zip(
-          per_stack(coll_order, layouts, all_ids, all_weights), maps))
+      _with_missing(dataflow(layout).route_stack(layout, ids, weights,
+                                                 **_map_arg(slot_map)),
+                    missing)
+      for (layout, ids, weights, missing), slot_map in zip(
+          per_stack(coll_order, layouts, all_ids, all_weights, cache_maps),
+          maps))
 
 
 def _map_arg(slot_map):
@@ -93,44 +138,51 @@ def apply_per_rank(backend, kernel_config, order, layouts, states, routings,
 
 
 def _dense_grads_per_rank(coll_order, layouts, tables, all_ids, all_weights,
-                          all_cotangents):
-  """The dense scatter-add cotangent of every stack table."""
+                          all_cotangents, cache_maps=None):
+  """The dense scatter-add cotangent of every stack table (of a host-tier
+  stack's cache)."""
   cts = _by_stack(coll_order[0], layouts, all_cotangents)
   return tuple(
       dataflow(layout).dense_grad_stack(layout, table, ids, weights,
                                         stack_cts)
-      for (layout, ids, weights), table, stack_cts in zip(
-          per_stack(coll_order, layouts, all_ids, all_weights), tables, cts))
+      for (layout, ids, weights, _), table, stack_cts in zip(
+          per_stack(coll_order, layouts, all_ids, all_weights, cache_maps),
+          tables, cts))
 
 
 # --- the differentiable lookup ----------------------------------------------------
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def collection_lookup(coll, layouts, tables, all_ids, all_weights):
+def collection_lookup(coll, layouts, tables, all_ids, all_weights,
+                      cache_maps):
   fn = functools.partial(lookup_per_rank, coll.backend, coll.kernel_config,
                          coll._order(), layouts, route=False)
   return exchange.shard(
       layouts[0].ctx, fn,
       in_specs=(coll._table_specs(), coll._feature_specs(),
-                coll._pooled_specs()),
-      out_specs=coll._feature_specs())(tables, all_ids, all_weights)
+                coll._pooled_specs(), coll._cache_map_specs()),
+      out_specs=coll._feature_specs())(tables, all_ids, all_weights,
+                                       cache_maps)
 
 
-def collection_lookup_fwd(coll, layouts, tables, all_ids, all_weights):
-  return (collection_lookup(coll, layouts, tables, all_ids, all_weights),
-          (tables, all_ids, all_weights))
+def collection_lookup_fwd(coll, layouts, tables, all_ids, all_weights,
+                          cache_maps):
+  return (collection_lookup(coll, layouts, tables, all_ids, all_weights,
+                            cache_maps),
+          (tables, all_ids, all_weights, cache_maps))
 
 
 def collection_lookup_bwd(coll, layouts, residuals, cotangents):
-  tables, all_ids, all_weights = residuals
+  tables, all_ids, all_weights, cache_maps = residuals
   fn = functools.partial(_dense_grads_per_rank, coll._order(), layouts)
   table_cts = exchange.shard(
       layouts[0].ctx, fn,
       in_specs=(coll._table_specs(), coll._feature_specs(),
-                coll._pooled_specs(), coll._feature_specs()),
+                coll._pooled_specs(), coll._feature_specs(),
+                coll._cache_map_specs()),
       out_specs=coll._table_specs())(tables, all_ids, all_weights,
-                                     tuple(cotangents))
+                                     tuple(cotangents), cache_maps)
   # A table held as uint16 bits (`placement.storage_dtype`) is not
   # differentiable: its cotangent is float0. No cotangent for the ids; the
   # weights' would need the table (unused).
@@ -138,7 +190,9 @@ def collection_lookup_bwd(coll, layouts, residuals, cotangents):
       ct if jnp.issubdtype(t.dtype, jnp.inexact)
       else np.zeros(t.shape, jax.dtypes.float0)
       for t, ct in zip(tables, table_cts))
-  return table_cts, None, jax.tree.map(jnp.zeros_like, all_weights)
+  return (table_cts, None, jax.tree.map(jnp.zeros_like, all_weights),
+          jax.tree.map(lambda m: np.zeros(m.shape, jax.dtypes.float0),
+                       cache_maps))
 
 
 collection_lookup.defvjp(collection_lookup_fwd, collection_lookup_bwd)
