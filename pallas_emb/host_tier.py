@@ -224,16 +224,16 @@ class HostStack:
     for r, (_, local) in enumerate(parts):
       needed = self.caches[r].needed(local, pinned[r])
       if needed > self.stack.local_rows:
-        where = (f" on rank {r} (a row-placed cache holds "
+        where = (f" on rank {r}, whose part of the row-placed cache holds "
                  f"ceil(cache_rows / {self.parts}) = {self.stack.local_rows}"
-                 " rows per rank)" if self.parts > 1 else "")
+                 if self.parts > 1 else
+                 f", which holds cache_rows={self.stack.cache_rows}")
         raise InputError(
             f"pallas_emb host-tier table {self.name!r} needs {needed} rows "
-            f"in its device cache at once{where}: this batch's distinct "
-            f"rows and those of the {in_flight} batches still in flight; "
-            f"its cache_rows={self.stack.cache_rows} hold "
-            f"{self.stack.local_rows}. Raise cache_rows to at least "
-            f"{needed * self.parts}, or use smaller batches.")
+            f"in its device cache at once (this batch's distinct rows and "
+            f"those of the {in_flight} batches still in flight){where}. "
+            f"Raise cache_rows to at least {needed * self.parts}, or use "
+            "smaller batches.")
     admitted = [self.caches[r].admit(local, counts[idx], trains[idx],
                                      pinned[r])
                 for r, (idx, local) in enumerate(parts)]
@@ -478,8 +478,10 @@ def empty_cache(coll, stack, step=None) -> StackState:
                                     storage), out_shardings=sharding)()
   opt_state = placement_lib.fresh_state(stack, coll.mesh, coll.table_axis)
   if opt_state is not None and step is not None:
+    # A copy: the state is donated, the given step may live on elsewhere.
     opt_state = opt_state._replace(step=jax.device_put(
-        jnp.asarray(step, jnp.int32), NamedSharding(coll.mesh, P())))
+        np.array(jax.device_get(step), np.int32),
+        NamedSharding(coll.mesh, P())))
   cache_map = jax.jit(lambda: jnp.full((stack.logical_rows,), -1, jnp.int32),
                       out_shardings=NamedSharding(coll.mesh, P()))()
   slot_map = coll._fresh_map(stack)  # pylint: disable=protected-access
