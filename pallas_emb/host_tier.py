@@ -449,13 +449,15 @@ def init_table(spec, key) -> np.ndarray:
   rows, width = spec.vocab_rows, spec.emb_width
   out = np.empty((rows, width), spec.dtype)
   step = _chunk_rows(width, spec.dtype.itemsize)
+  # Jitted, as the device table's init (eager ops round differently).
+  init = jax.jit(lambda k, n: spec.initializer(k, (n, width), spec.dtype)
+                 .astype(spec.dtype), static_argnums=1)
   with jax.default_device(_cpu()):
     key = jax.device_put(key, _cpu())
     for i, start in enumerate(range(0, rows, step)):
       n = min(step, rows - start)
-      k = key if i == 0 else jax.random.fold_in(key, i)
       out[start:start + n] = np.asarray(
-          spec.initializer(k, (n, width), spec.dtype).astype(spec.dtype))
+          init(key if i == 0 else jax.random.fold_in(key, i), n))
   return out
 
 
@@ -494,9 +496,9 @@ def host_stack(coll, stack, table, opt_state=None, *, copy=True):
   `copy=False` numpy arrays of the right dtype become the host memory
   as they are (no second copy of a huge table)."""
   spec = coll.tables[stack.tables[0]]
-  as_host = lambda x, dtype: (np.asarray(x, dtype) if not copy and
-                              isinstance(x, np.ndarray) else
-                              np.array(jax.device_get(x), dtype))
+  as_host = lambda x, dtype: (x if not copy and isinstance(x, np.ndarray)
+                              and x.dtype == dtype and x.flags.writeable
+                              else np.array(jax.device_get(x), dtype))
   table = as_host(table, spec.dtype)
   if opt_state is None or spec.optimizer is None:
     slots, step = init_slots(spec), None
