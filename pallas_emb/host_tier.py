@@ -231,7 +231,7 @@ class HostStack:
         raise InputError(
             f"pallas_emb host-tier table {self.name!r} needs {needed} rows "
             f"in its device cache at once (this batch's distinct rows and "
-            f"those of the {in_flight} batches still in flight){where}. "
+            f"those of the {len(recent)} batches still in flight){where}. "
             f"Raise cache_rows to at least {needed * self.parts}, or use "
             "smaller batches.")
     admitted = [self.caches[r].admit(local, counts[idx], trains[idx],
