@@ -191,6 +191,41 @@ class SpecTest(absltest.TestCase):
     self.assertIn("host memory: 3200 bytes", coll.plan.describe())
 
 
+class PlannerTest(absltest.TestCase):
+
+  def test_the_planner_moves_the_largest_table_to_the_host_tier(self):
+    opt = pe.RowwiseAdagrad(0.1)
+    tables = [pe.TableSpec("big", 1_000_000, 64, optimizer=opt),
+              pe.TableSpec("small", 1000, 64, optimizer=opt)]
+    features = [pe.FeatureSpec("b", "big"), pe.FeatureSpec("s", "small")]
+    mesh = test_util.mesh({"x": 2})
+    kw = dict(table_axis="x", batch_size=64, device_memory=100_000_000)
+    with self.assertRaisesRegex(pe.PlanInfeasibleError,
+                                r"move to the host tier \(host_memory"):
+      pe.plan(tables, features, mesh, **kw)
+    with self.assertRaisesRegex(pe.PlanInfeasibleError,
+                                r"more than host_memory=1000 bytes"):
+      pe.plan(tables, features, mesh, host_memory=1000, **kw)
+    planned, report = pe.plan(tables, features, mesh, host_memory=1 << 30,
+                              **kw)
+    big, small = planned
+    self.assertEqual((big.storage, big.placement), ("host", "row"))
+    # 8 steps' distinct rows (every id of a step distinct: 2 x 64).
+    self.assertEqual(big.cache_rows, 1024)
+    self.assertEqual(small.storage, "device")
+    (row,) = [t for t in report.tables if t.name == "big"]
+    self.assertEqual(row.host_bytes, 1_000_000 * (64 * 4 + 4))
+    self.assertEqual(row.link_bytes_per_step, 2 * 128 * (64 * 4 + 4))
+    self.assertRegex(str(report), r"big: row.*\n    host tier: 260000000 "
+                     r"bytes in host memory, a device cache of 1024 rows, "
+                     r"up to 66560 bytes per step over the host link; no "
+                     r"placement fits the device budget")
+    coll = pe.EmbeddingCollection(planned, features, mesh, "x")
+    self.assertEqual(report.memory_per_rank[0], sum(
+        sum(s.rank_bytes()) for s in coll.plan.stacks))
+    self.assertLessEqual(report.memory_per_rank[0], report.budget)
+
+
 class HostTierTest(parameterized.TestCase):
 
   def check_equal(self, host, device, hstate, dstate, msg):
