@@ -213,7 +213,8 @@ class EmbeddingCollection:
                                         table_key(key, s.tables[0]))
            for s in self.plan.stacks if s.host},
           lambda s: StackState(self._stored(s, self.init_stack(key, s.name)),
-                               self._fresh_opt_state(s), self._fresh_map(s)))
+                               self._fresh_opt_state(s), self._fresh_map(s)),
+          copy=False)
     return self.state_from_stacks(
         {s.name: self.init_stack(key, s.name) for s in self.plan.stacks})
 

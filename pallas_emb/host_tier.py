@@ -72,14 +72,17 @@ class CacheStats(NamedTuple):
   """One host-tier table's cache in one prefetch (host ints).
 
   rows: distinct rows the batch reads; hits: of them, those the cache held;
-  fetched: rows brought from host memory (`rows - hits`); evicted: rows
-  that left the cache; written_back: evicted rows that had changed, copied
-  back to host memory; bytes_to_device / bytes_to_host: what crossed the
-  host link (every device's share, padding included); seconds: host time
-  of the prefetch.
+  ids, id_hits: the same counted per id (a hot row once per id reading
+  it); fetched: rows brought from host memory (`rows - hits`); evicted:
+  rows that left the cache; written_back: evicted rows that had changed,
+  copied back to host memory; bytes_to_device / bytes_to_host: what
+  crossed the host link (every device's share, padding included);
+  seconds: host time of the prefetch.
   """
   rows: int
   hits: int
+  ids: int
+  id_hits: int
   fetched: int
   evicted: int
   written_back: int
@@ -89,7 +92,13 @@ class CacheStats(NamedTuple):
 
   @property
   def hit_rate(self) -> float:
+    """Of the batch's distinct rows, the fraction already cached."""
     return self.hits / self.rows if self.rows else 1.0
+
+  @property
+  def id_hit_rate(self) -> float:
+    """Of the batch's ids, the fraction whose row was already cached."""
+    return self.id_hits / self.ids if self.ids else 1.0
 
 
 # --- the cache's rows on a rank ----------------------------------------------
@@ -234,11 +243,15 @@ class HostStack:
             f"those of the {len(recent)} batches still in flight){where}. "
             f"Raise cache_rows to at least {needed * self.parts}, or use "
             "smaller batches.")
+    hit = np.zeros(rows.size, bool)
+    for r, (idx, local) in enumerate(parts):
+      hit[idx] = self.caches[r].slots_of(local) >= 0
     admitted = [self.caches[r].admit(local, counts[idx], trains[idx],
                                      pinned[r])
                 for r, (idx, local) in enumerate(parts)]
     self.recent.append([a.slots for a in admitted])
     stats = dict(rows=int(rows.size), hits=sum(a.hits for a in admitted),
+                 ids=int(counts.sum()), id_hits=int(counts[hit].sum()),
                  fetched=sum(a.fetch_rows.size for a in admitted),
                  evicted=sum(a.evict_rows.size for a in admitted),
                  written_back=sum(int(a.dirty.sum()) for a in admitted))

@@ -433,5 +433,28 @@ class HostTierTest(parameterized.TestCase):
       pe_flax.EmbeddingCollection(host).init(jax.random.key(0), batch)
 
 
+class BenchTest(absltest.TestCase):
+
+  def test_bench_runs_small(self):
+    """`python -m bench.host_tier` at tiny sizes: every figure it reports."""
+    with tempfile.TemporaryDirectory() as tmp:
+      doc, stdout = test_util.run_program("bench.host_tier", [
+          "--rows=20000", "--width=8", "--ids=64", "--bag=4",
+          "--cache_rows=2048", "--steps=2", "--warmup=2",
+          "--compare_device_rows=2000", "--link_mb=1",
+          "--memory_kinds_rows=1000"], tmp)
+    self.assertIn("host tier / device", stdout)
+    self.assertGreater(doc["link"]["to_device_gbps"], 0)
+    (record,) = doc["results"]
+    host = record["host"]
+    for key in ("step_s", "step_waited_s", "prefetch_s", "hit_rate",
+                "id_hit_rate", "bytes_to_device_per_step",
+                "bytes_to_host_per_step", "fetched_per_step"):
+      self.assertIn(key, host)
+    self.assertBetween(host["hit_rate"], 0, 1)
+    self.assertGreater(record["device"]["step_s"], 0)
+    self.assertIn("numpy_device_put_s", record["gathers"])
+
+
 if __name__ == "__main__":
   absltest.main()
