@@ -491,7 +491,7 @@ class EmbeddingCollection:
       host_tier.check_cached(self, state, batch, f"collection {what}")
 
   def prefetch(self, state: CollectionState, batch, *,
-               in_flight: int | None = None):
+               in_flight: int | None = None, train: bool = True):
     """Host-side: `(state, {table: host_tier.CacheStats})` with every row of
     `batch` that a host-tier table's features read in its device cache
     (docs/host_tier.md), before `lookup`, `lookup_and_route`, `route` or
@@ -499,16 +499,17 @@ class EmbeddingCollection:
 
     The rows of the `in_flight` batches prefetched before (default: the
     state's host tier's, 0 or the pipelined Trainer's 2) stay in the cache:
-    their updates are still to be applied. Donates `state` (use the one
-    returned). A cache too small for the rows needed at once is an
-    InputError, before anything changes. Without host-tier tables:
-    `(state, {})`.
+    their updates are still to be applied. `train=False` (a batch only
+    looked up, e.g. in evaluation): its rows are not marked changed and do
+    not count as in flight. Donates `state` (use the one returned). A
+    cache too small for the rows needed at once is an InputError, before
+    anything changes. Without host-tier tables: `(state, {})`.
     """
     if not self.host_tables:
       return state, {}
     self._check_state(state)
     return state.host.prefetch(state, host_tier.batch_rows(self, batch),
-                               in_flight)
+                               in_flight, train)
 
   def _serve(self, state: ServingState, batch) -> dict[str, jax.Array]:
     """`lookup` of a serving state: the collection's per-rank lookup over

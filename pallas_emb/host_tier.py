@@ -219,10 +219,12 @@ class HostStack:
   # --- prefetch ------------------------------------------------------------
 
   def prefetch(self, state: StackState, rows, counts, trains,
-               in_flight: int):
+               in_flight: int, train: bool = True):
     """`(state, CacheStats)`: the distinct logical `rows` of a batch
-    resident, the rows of the `in_flight` batches prefetched before it kept
-    (their slots are still to be read or updated)."""
+    resident, the rows of the `in_flight` training batches prefetched
+    before it kept (their slots are still to be read or updated). A batch
+    that is not trained (`train=False`) marks no row changed and does not
+    count as in flight."""
     start = time.perf_counter()
     self._finish_write_backs()
     parts = self.split(rows)
@@ -246,10 +248,11 @@ class HostStack:
     hit = np.zeros(rows.size, bool)
     for r, (idx, local) in enumerate(parts):
       hit[idx] = self.caches[r].slots_of(local) >= 0
-    admitted = [self.caches[r].admit(local, counts[idx], trains[idx],
-                                     pinned[r])
+    admitted = [self.caches[r].admit(local, counts[idx],
+                                     trains[idx] & train, pinned[r])
                 for r, (idx, local) in enumerate(parts)]
-    self.recent.append([a.slots for a in admitted])
+    if train:
+      self.recent.append([a.slots for a in admitted])
     stats = dict(rows=int(rows.size), hits=sum(a.hits for a in admitted),
                  ids=int(counts.sum()), id_hits=int(counts[hit].sum()),
                  fetched=sum(a.fetch_rows.size for a in admitted),
@@ -375,7 +378,8 @@ class HostTier:
     self.stacks = stacks
     self.in_flight = 0
 
-  def prefetch(self, state, rows, in_flight: int | None = None):
+  def prefetch(self, state, rows, in_flight: int | None = None,
+               train: bool = True):
     """`(state, {table: CacheStats})` with each host-tier table's batch
     rows (`batch_rows`) resident."""
     in_flight = self.in_flight if in_flight is None else in_flight
@@ -385,7 +389,7 @@ class HostTier:
     stacks, stats = dict(state.stacks), {}
     for name, host in self.stacks.items():
       stacks[name], stats[host.name] = host.prefetch(
-          state.stacks[name], *rows[name], in_flight)
+          state.stacks[name], *rows[name], in_flight, train)
     return _replace_stacks(state, stacks), stats
 
   def flush(self, state) -> None:

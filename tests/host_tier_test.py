@@ -326,6 +326,12 @@ class HostTierTest(parameterized.TestCase):
       self.assertIsNone(dm.cache)
       if 2 <= t < len(data) - 1:  # the first batches fill the cache
         self.assertGreater(hm.cache["t"].evicted, 0, f"step {t}")
+      if t == 3:  # an evaluation between steps keeps the updates in flight
+        embedding, _ = host.prefetch(hrun.embedding, data[0], train=False)
+        hrun = hrun._replace(embedding=embedding)
+        want = device.lookup(drun.embedding, data[0])
+        for name, got in host.lookup(hrun.embedding, data[0]).items():
+          test_util.assert_bits_equal(self, got, want[name], "evaluation")
     hrun, _ = trainers[0].flush(hrun)
     drun, _ = trainers[1].flush(drun)
     self.check_equal(host, device, hrun.embedding, drun.embedding, "end")
