@@ -208,31 +208,15 @@ class EmbeddingCollection:
     filled in host memory, chunk by chunk (`host_tier.init_table`).
     """
     if self.host_tables:
-      return self._with_host_stacks(
-          {s.name: host_tier.init_table(self.tables[s.tables[0]],
-                                        table_key(key, s.tables[0]))
-           for s in self.plan.stacks if s.host},
-          lambda s: StackState(self._stored(s, self.init_stack(key, s.name)),
-                               self._fresh_opt_state(s), self._fresh_map(s)),
-          copy=False)
+      return host_tier.collection_state(self, {
+          s.name: StackState(self._stored(s, self.init_stack(key, s.name)),
+                             self._fresh_opt_state(s), self._fresh_map(s))
+          for s in self.plan.stacks if not s.host}, {
+              s.name: host_tier.init_table(self.tables[s.tables[0]],
+                                           table_key(key, s.tables[0]))
+              for s in self.plan.stacks if s.host}, copy=False)
     return self.state_from_stacks(
         {s.name: self.init_stack(key, s.name) for s in self.plan.stacks})
-
-  def _with_host_stacks(self, tables, device_state, opt_states=None,
-                        copy=True) -> CollectionState:
-    """A state of host-tier stacks from their logical `tables` (and
-    `opt_states`; stack name -> array) and of the other stacks from
-    `device_state(stack)`."""
-    stacks, hosts = {}, {}
-    for s in self.plan.stacks:
-      if s.host:
-        hosts[s.name], stacks[s.name] = host_tier.host_stack(
-            self, s, tables[s.name], (opt_states or {}).get(s.name),
-            copy=copy)
-      else:
-        stacks[s.name] = device_state(s)
-    return CollectionState(stacks, self.plan.fingerprint,
-                           host_tier.HostTier(hosts))
 
   def init_stack(self, key: jax.Array, stack_name: str) -> jax.Array:
     """One stack's physical table, each of its tables from its initializer."""
@@ -327,11 +311,10 @@ class EmbeddingCollection:
                                       self._fresh_map(stack))
     if self.host_tables:
       host = [s for s in self.plan.stacks if s.host]
-      return self._with_host_stacks(
-          {s.name: tables[s.tables[0]] for s in host},
-          lambda s: stacks[s.name],
+      return host_tier.collection_state(
+          self, stacks, {s.name: tables[s.tables[0]] for s in host},
           opt_states and {s.name: opt_states[s.tables[0]] for s in host},
-          copy)
+          copy=copy)
     return CollectionState(stacks, self.plan.fingerprint)
 
   def table_arrays(self, state: CollectionState) -> dict[str, jax.Array]:

@@ -58,6 +58,7 @@ from pallas_emb import validation
 from pallas_emb.errors import InputError
 from pallas_emb.row_cache import RowCache
 from pallas_emb.specs import Bag
+from pallas_emb.state import CollectionState
 from pallas_emb.state import StackState
 
 # Host arrays are filled, quantized and checked in chunks of about this
@@ -398,7 +399,7 @@ class HostTier:
 
 
 def _replace_stacks(state, stacks):
-  return type(state)(stacks, state.fingerprint, state.host)
+  return CollectionState(stacks, state.fingerprint, state.host)
 
 
 # --- reading a batch on the host ------------------------------------------------
@@ -524,6 +525,20 @@ def host_stack(coll, stack, table, opt_state=None, *, copy=True):
              for s in spec.optimizer.slots()}
     step = opt_state.step
   return HostStack(coll, stack, table, slots), empty_cache(coll, stack, step)
+
+
+def collection_state(coll, device_stacks, tables, opt_states=None, *,
+                     copy=True):
+  """A collection state: `device_stacks` (stack name -> StackState) and
+  the host-tier stacks from their logical `tables` (and `opt_states`,
+  stack name -> array; see `host_stack`)."""
+  stacks, hosts = dict(device_stacks), {}
+  for s in coll.plan.stacks:
+    if s.host:
+      hosts[s.name], stacks[s.name] = host_stack(
+          coll, s, tables[s.name], (opt_states or {}).get(s.name), copy=copy)
+  return CollectionState({s.name: stacks[s.name] for s in coll.plan.stacks},
+                         coll.plan.fingerprint, HostTier(hosts))
 
 
 def logical_arrays(coll, state, stack):
