@@ -20,7 +20,12 @@ Per configuration it prints and records:
               steps), the step time with each step waited for (no
               overlap of host work and device work), the host seconds of
               the prefetch per step, the cache hit rate (distinct rows and
-              ids) and the bytes per step to the device and back
+              ids) and the bytes per step to the device and back; and the
+              overlap, from timestamps: for each step t, when the call of
+              step t+1 began (its prefetch first) against when step t's
+              loss was ready on the device (a thread waits for each), so
+              `overlap_s` is how long the next prefetch ran while the
+              device still ran the step
   device      the same workload on a table of `--compare_device_rows` rows
               held on the device (ids Zipf over its rows), same Trainer
   link        the host -> device and device -> host rates measured by
@@ -38,7 +43,9 @@ copy), its initializer a constant (the values do not change the time).
 from __future__ import annotations
 
 import json
+import queue
 import statistics
+import threading
 import time
 
 from absl import app
@@ -105,25 +112,50 @@ def _run(pe, jax, jnp, np, optax, rows, bag, batches, host, steps, warmup):
                        {"w": jnp.full((_WIDTH.value, 1), 0.1)}, batches[0])
   step = trainer.step if host else jax.jit(trainer.step, donate_argnums=0)
   cache, t = [], 0
+  calls, ready = [], []  # per step: when its call began; when its loss was
+
+  def watch(losses):
+    while (loss := losses.get()) is not None:
+      jax.block_until_ready(loss)
+      ready.append(time.perf_counter())
 
   def run(n, wait):
     nonlocal state, t
     jax.block_until_ready(state)
+    calls.clear()
+    ready.clear()
+    losses = queue.Queue()
+    watcher = threading.Thread(target=watch, args=(losses,))
+    watcher.start()
     start = time.perf_counter()
     for _ in range(n):
+      calls.append(time.perf_counter())
       state, metrics = step(state, batches[t % len(batches)],
                             batches[(t + 1) % len(batches)])
+      losses.put(metrics.loss)
       t += 1
       if metrics.cache:
         cache.append(metrics.cache["t"])
       if wait:
         jax.block_until_ready(state)
     jax.block_until_ready(state)
-    return (time.perf_counter() - start) / max(n, 1)
+    seconds = (time.perf_counter() - start) / max(n, 1)
+    losses.put(None)
+    watcher.join()
+    return seconds
 
   run(warmup, False)
   cache.clear()
   out = {"step_s": run(steps, False)}
+  # How long the call of step t+1 (its prefetch first) ran before step t's
+  # loss was ready: host work overlapping the device's (at most the
+  # prefetch; all of it for a device table, which has none).
+  prefetch = [c.seconds for c in cache[1:]] if host else [float("inf")] * (
+      len(calls) - 1)
+  overlap = [min(p, max(0.0, r - c))
+             for c, r, p in zip(calls[1:], ready[:-1], prefetch)]
+  out["overlap_s"] = statistics.median(overlap) if overlap else 0.0
+  out["overlapped_steps"] = sum(o > 0 for o in overlap)
   if host:
     out["step_waited_s"] = run(steps, True)
     out["prefetch_s"] = statistics.median(c.seconds for c in cache)
@@ -222,7 +254,9 @@ def main(argv):
     print(f"{what}: host tier [{_ROWS.value}, {_WIDTH.value}] cache "
           f"{_CACHE.value} ({_POLICY.value}): {1e3 * h['step_s']:.1f} ms "
           f"a step ({1e3 * h['step_waited_s']:.1f} ms waited for, prefetch "
-          f"{1e3 * h['prefetch_s']:.1f} ms on the host); hit rate "
+          f"{1e3 * h['prefetch_s']:.1f} ms on the host, of which "
+          f"{1e3 * h['overlap_s']:.1f} ms while the previous step ran: "
+          f"{h['overlapped_steps']} of {_STEPS.value - 1} steps); hit rate "
           f"{h['hit_rate']:.3f} of distinct rows, {h['id_hit_rate']:.3f} of "
           f"ids; {h['bytes_to_device_per_step'] / 1e6:.2f} MB to the device "
           f"and {h['bytes_to_host_per_step'] / 1e6:.2f} MB back per step")
