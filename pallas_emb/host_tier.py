@@ -312,14 +312,19 @@ class HostStack:
   def _finish_write_backs(self) -> None:
     """Copies every evicted row on its way back into host memory."""
     for rows, n, read in self._pending:
-      host = [np.asarray(x) for x in read]
-      for i, (array, values) in enumerate(zip(self._host_arrays(), host)):
-        if i == 0:
-          values = values.view(self.table.dtype)
-        for r, local in enumerate(rows):
-          if local.size:
-            self._part(array, r)[local] = values[r * n:r * n + local.size]
+      self._to_host_memory(rows, n, read)
     self._pending.clear()
+
+  def _to_host_memory(self, rows, n: int, read) -> None:
+    """Rows read from the cache (`read`: per array, `n` rows per part)
+    into host memory at each part's local `rows`."""
+    for i, (array, values) in enumerate(zip(self._host_arrays(), read)):
+      values = np.asarray(values)
+      if i == 0:
+        values = values.view(self.table.dtype)
+      for r, local in enumerate(rows):
+        if local.size:
+          self._part(array, r)[local] = values[r * n:r * n + local.size]
 
   # --- host memory up to date ----------------------------------------------
 
@@ -335,14 +340,10 @@ class HostStack:
     read = self._read(self._device_arrays(state), jax.device_put(
         _padded(dirty, n, 0, np.int32),
         NamedSharding(self.mesh, self._part_spec)))
-    host = [np.asarray(x) for x in read]
+    self._to_host_memory([c.slot_row[d] for c, d in zip(self.caches, dirty)],
+                         n, read)
     keep = list(self.recent)[len(self.recent) - (in_flight + 1):]
     for r, (cache, slots) in enumerate(zip(self.caches, dirty)):
-      local = cache.slot_row[slots]
-      for i, (array, values) in enumerate(zip(self._host_arrays(), host)):
-        if i == 0:
-          values = values.view(self.table.dtype)
-        self._part(array, r)[local] = values[r * n:r * n + slots.size]
       cache.clean(np.setdiff1d(slots, np.concatenate(
           [b[r] for b in keep] + [np.zeros(0, np.int32)])))
 

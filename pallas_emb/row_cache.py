@@ -158,10 +158,10 @@ class RowCache:
   def _victims(self, k: int, hit_slots, pinned, rows, what) -> np.ndarray:
     """At least `k` slots to evict (a group, see the module doc), none of
     them pinned or read by the batch; CacheTooSmall if there are fewer."""
-    free = self.slot_row >= 0
-    free[np.asarray(pinned, np.int64)] = False
-    free[hit_slots] = False
-    candidates = np.flatnonzero(free)
+    evictable = self.slot_row >= 0
+    evictable[np.asarray(pinned, np.int64)] = False
+    evictable[hit_slots] = False
+    candidates = np.flatnonzero(evictable)
     if candidates.size < k:
       needed = self.needed(rows, pinned)
       raise CacheTooSmall(

@@ -165,12 +165,14 @@ class CollectionPlan:
     optimizer state each rank stores (its shards of the state's arrays)."""
     table = sum(s.rank_bytes()[0] for s in self.stacks)
     state = sum(s.rank_bytes()[1] for s in self.stacks)
-    maps = sum(s.map_bytes + s.cache_map_bytes for s in self.stacks)
+    maps = [f"{n} {what} map bytes" for n, what in (
+        (sum(s.map_bytes for s in self.stacks), "slot"),
+        (sum(s.cache_map_bytes for s in self.stacks), "cache")) if n]
     host = sum(s.host_bytes() for s in self.stacks)
     return (f"{self._text(detailed=True)}\nper rank (each of "
             f"{self.stacks[0].ranks}): {table} table bytes + {state} "
             "optimizer state bytes"
-            + (f" (of which {maps} map bytes)" if maps else "")
+            + (f" (of which {' and '.join(maps)})" if maps else "")
             + (f"; host memory: {host} bytes" if host else ""))
 
   def _text(self, detailed: bool) -> str:
