@@ -29,20 +29,28 @@ def dataflow(layout):
   return row if layout.placement in ("row", "table") else stack
 
 
-def per_stack(coll_order, layouts, all_ids, all_weights, cache_maps=None):
+def per_stack(coll_order, layouts, all_ids, all_weights):
   """Per stack (in plan order): `(layout, its features' ids, the combiner
-  weights of its pooled features, missing)`, from the collection-ordered
-  inputs. A host-tier stack's ids come as keys of its cache rows
-  (`cache_keys`, through its map in `cache_maps`) and `missing` counts its
-  entries whose row is not cached; None for a device stack."""
+  weights of its pooled features)`, from the collection-ordered inputs."""
   order, pooled_order = coll_order
   ids_by = dict(zip(order, all_ids))
   weights_by = dict(zip(pooled_order, all_weights))
-  for layout, cache_map in zip(layouts, cache_maps or (None,) * len(layouts)):
+  for layout in layouts:
     ids = [ids_by[f.name] for f in layout.features]
     weights = [stack.combiner_weights(f, ids_by[f.name],
                                           weights_by[f.name])
                for f in layout.pooled]
+    yield layout, ids, weights
+
+
+def _per_stack_cached(coll_order, layouts, all_ids, all_weights,
+                      cache_maps):
+  """`per_stack`, with a host-tier stack's ids as keys of its cache rows
+  (`cache_keys`, through its map in `cache_maps`) and, last, the count of
+  its entries whose row is not cached (None for a device stack)."""
+  for (layout, ids, weights), cache_map in zip(
+      per_stack(coll_order, layouts, all_ids, all_weights),
+      cache_maps or (None,) * len(layouts)):
     missing = None
     if cache_map is not None:
       ids, missing = cache_keys(layout, ids, weights, cache_map)
@@ -89,8 +97,8 @@ def lookup_per_rank(backend, kernel_config, coll_order, layouts, tables,
   host-tier stack's rows through its cache map in `cache_maps`."""
   outs, routings = {}, []
   for (layout, ids, weights, missing), table, slot_map in zip(
-      per_stack(coll_order, layouts, all_ids, all_weights, cache_maps),
-      tables, maps or (None,) * len(layouts)):
+      _per_stack_cached(coll_order, layouts, all_ids, all_weights,
+                        cache_maps), tables, maps or (None,) * len(layouts)):
     embs = dataflow(layout).lookup_stack(layout, backend, table, ids, weights,
                                          kernel_config, with_routing=route,
                                          **_map_arg(slot_map))
@@ -109,8 +117,8 @@ def route_per_rank(coll_order, layouts, all_ids, all_weights, maps,
                                                  **_map_arg(slot_map)),
                     missing)
       for (layout, ids, weights, missing), slot_map in zip(
-          per_stack(coll_order, layouts, all_ids, all_weights, cache_maps),
-          maps))
+          _per_stack_cached(coll_order, layouts, all_ids, all_weights,
+                            cache_maps), maps))
 
 
 def _map_arg(slot_map):
@@ -146,8 +154,8 @@ def _dense_grads_per_rank(coll_order, layouts, tables, all_ids, all_weights,
       dataflow(layout).dense_grad_stack(layout, table, ids, weights,
                                         stack_cts)
       for (layout, ids, weights, _), table, stack_cts in zip(
-          per_stack(coll_order, layouts, all_ids, all_weights, cache_maps),
-          tables, cts))
+          _per_stack_cached(coll_order, layouts, all_ids, all_weights,
+                            cache_maps), tables, cts))
 
 
 # --- the differentiable lookup ----------------------------------------------------
