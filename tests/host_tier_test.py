@@ -27,7 +27,10 @@ import optax
 import placements_test
 import pallas_emb as pe
 from pallas_emb import checkpoint
+from pallas_emb import host_tier
+from pallas_emb import layout as layout_lib
 from pallas_emb import row_cache
+from pallas_emb import stack as stack_lib
 
 B, SEQ, BAG = 4, 3, 4
 
@@ -151,6 +154,21 @@ class RowCacheTest(absltest.TestCase):
     self.assertEqual(cache.cached, 63)
     got = self.admit(cache, [501])  # a free slot: nothing evicted
     self.assertEqual(got.evict_rows.size, 0)
+
+
+class HostKeysTest(absltest.TestCase):
+
+  def test_host_keys_are_the_steps_keys(self):
+    """The prefetch's numpy rule is `stack.entry_keys` (weights aside), on
+    every edge case: negative ids, past the end, int32 extremes, padding."""
+    rng = np.random.default_rng(0)
+    for vocab, padding in ((7, 0), (60, 3), (1000, None)):
+      ids = spread_ids(rng, (200,), vocab)
+      feature = layout_lib.FeatureLayout("f", 0, vocab, padding, ids.shape,
+                                         None, 200)
+      np.testing.assert_array_equal(
+          host_tier.host_keys(ids, vocab, padding),
+          np.asarray(stack_lib.entry_keys(feature, jnp.asarray(ids), None)))
 
 
 class SpecTest(absltest.TestCase):
