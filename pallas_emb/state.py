@@ -35,9 +35,10 @@ class StackState(NamedTuple):
 
   A host-tier stack (`StackPlan.host`): `table` and `opt_state`'s slots are
   its device cache (`StackPlan.total_rows` rows; the step counter is the
-  table's), and `cache_map` the int32 `[logical rows]` map from each row of
-  the table to its cache row (-1: not in the cache), on every rank; None
-  for a device stack. `host_tier.py` keeps the rest in host memory.
+  optimizer's, as for any stack), and `cache_map` the int32 `[logical
+  rows]` map from each row of the table to its cache row (-1: not in the
+  cache), on every rank; None for a device stack. `host_tier.py` keeps
+  the table's rows and state in host memory.
   """
   table: jax.Array
   opt_state: Any
