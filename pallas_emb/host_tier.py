@@ -409,7 +409,7 @@ def _replace_stacks(state, stacks):
   return CollectionState(stacks, state.fingerprint, state.host)
 
 
-# --- reading a batch on the host ------------------------------------------------
+# --- reading a batch on the host ---------------------------------------------
 
 
 def host_keys(ids: np.ndarray, vocab_rows: int, padding_id) -> np.ndarray:
@@ -479,7 +479,7 @@ def check_cached(coll, state, batch, what: str) -> None:
     state.host.stacks[name].check_cached(rows, what)
 
 
-# --- building a host-tier state ---------------------------------------------------
+# --- building a host-tier state ----------------------------------------------
 
 
 def _chunk_rows(width: int, itemsize: int) -> int:
@@ -574,9 +574,10 @@ def logical_arrays(coll, state, stack):
   host = state.host.stacks[stack.name]
   host.flush(state.stacks[stack.name], state.host.in_flight)
   opt = stack.optimizer
-  opt_state = None if opt is None else opt._state(  # pylint: disable=protected-access
-      {n: _read_only(x) for n, x in host.slots.items()},
-      state.stacks[stack.name].opt_state.step)
+  slots = {n: _read_only(x) for n, x in host.slots.items()}
+  step = None if opt is None else state.stacks[stack.name].opt_state.step
+  # pylint: disable-next=protected-access
+  opt_state = None if opt is None else opt._state(slots, step)
   return _read_only(host.table), opt_state
 
 

@@ -156,7 +156,7 @@ class RowCache:
   def dirty_slots(self) -> np.ndarray:
     return np.flatnonzero(self.dirty).astype(np.int32)
 
-  # --- internals ---------------------------------------------------------------
+  # --- internals -------------------------------------------------------------
 
   def _victims(self, k: int, hit_slots, pinned, rows, what) -> np.ndarray:
     """At least `k` slots to evict (a group, see the module doc), none of
