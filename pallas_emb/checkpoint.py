@@ -38,7 +38,10 @@ in `directory` (left by a crash mid-save; never a complete step) before
 writing, and refuses leaves a checkpoint cannot hold (strings, objects)
 before writing anything. A `StackState`'s slot map (dedup="slot_map", all
 sentinel between steps) is not saved; `restore` makes a fresh one wherever
-the target has one.
+the target has one. A state with host-tier tables holds only their device
+caches: `save` and `restore` refuse it, `save_collection` saves their
+logical tables from host memory (`restore_collection` reads them back into
+host memory, without a second copy).
 
 Multi-process (`jax.distributed`): every process must call `save` and
 `restore` with the same arguments, on a directory all processes can see
@@ -61,6 +64,7 @@ from pallas_emb.dedup import empty_slot_map
 from pallas_emb.checksums import bit_width
 from pallas_emb.checksums import checksums
 from pallas_emb.errors import CheckpointError
+from pallas_emb.state import CollectionState
 from pallas_emb.state import ServingState
 from pallas_emb.state import StackState
 from pallas_emb.state import serving_layouts
@@ -197,6 +201,7 @@ def save(directory, state, *, step: int) -> None:
   _not_a_file(root)
   path = root / str(step)
   # Checked before anything touches the directory.
+  _no_host_tier(state, "save")
   flat, treedef = jax.tree_util.tree_flatten_with_path(_no_slot_maps(state))
   leaves = [_savable(_key(p), v) for p, v in flat]
   if path.exists():
@@ -219,6 +224,18 @@ def save(directory, state, *, step: int) -> None:
         f"pallas_emb checkpoint {path} could not be written ({_reason(e)}); "
         "make sure the directory is writable and has room, then save "
         "again.") from e
+
+
+def _no_host_tier(tree, what: str) -> None:
+  """A CheckpointError if `tree` holds a state with host-tier tables."""
+  is_state = lambda x: isinstance(x, CollectionState)
+  for x in jax.tree.leaves(tree, is_leaf=is_state):
+    if is_state(x) and x.host is not None:
+      raise CheckpointError(
+          f"pallas_emb checkpoint {what} got a CollectionState with host-"
+          "tier tables, whose rows live in host memory, not in the state; "
+          f"{what} it with checkpoint.{what}_collection(directory, coll, "
+          "...), which stores logical tables.")
 
 
 def _no_slot_maps(tree):
@@ -407,6 +424,7 @@ def restore(directory, target, *, step: int | None = None):
   ocp, _ = _orbax()
   root, step = _resolve_step(directory, step)
   path = root / str(step)
+  _no_host_tier(target, "restore")
   full_target, target = target, _no_slot_maps(target)
 
   with ocp.StandardCheckpointer() as ckptr:
@@ -499,7 +517,8 @@ def save_collection(directory, coll, state, *, step: int, extra=None) -> None:
   """Saves a collection's state as logical tables (and `extra`, any pytree).
 
   Stored per table (`coll.table_arrays` / `coll.optimizer_arrays`), so the
-  checkpoint restores under another stacking, rank count or mesh.
+  checkpoint restores under another stacking, rank count or mesh, and a
+  host-tier table (saved from host memory) as a device table and back.
   """
   save(directory, {"tables": coll.table_arrays(state),
                    "opt_states": coll.optimizer_arrays(state),
@@ -509,7 +528,9 @@ def save_collection(directory, coll, state, *, step: int, extra=None) -> None:
 def _table_target(coll, name: str):
   """The restore target of one logical table and its optimizer state: column
   tables column-sharded, the others (whose logical shape need not split over
-  the ranks) replicated; `state_from_arrays` then places them."""
+  the ranks) replicated; `state_from_arrays` then places them. A host-tier
+  table's arrays are read into host memory (numpy targets: untouched
+  pages, no memory until read), its step counter onto the devices."""
   spec = coll.tables[name]
   partition = (jax.sharding.PartitionSpec(None, coll.table_axis)
                if spec.placement == "column" else jax.sharding.PartitionSpec())
@@ -525,6 +546,9 @@ def _table_target(coll, name: str):
       lambda s, p: jax.ShapeDtypeStruct(
           s.shape, s.dtype, sharding=jax.sharding.NamedSharding(coll.mesh, p)),
       shapes, opt.state_specs(partition))
+  if spec.host:
+    host = lambda x: np.empty(x.shape, x.dtype) if x.ndim else x
+    table, opt_state = host(table), jax.tree.map(host, opt_state)
   return table, opt_state
 
 
@@ -572,7 +596,8 @@ def restore_collection(directory, coll, *, step: int | None = None,
     fresh_opt = coll.optimizer_arrays(fresh)
     for name in missing:
       tables[name], opt_states[name] = fresh_tables[name], fresh_opt[name]
-  return coll.state_from_arrays(tables, opt_states), tree["extra"]
+  # The restored host arrays become the host-tier tables' host memory.
+  return coll.state_from_arrays(tables, opt_states, copy=False), tree["extra"]
 
 
 # --- serving states ---------------------------------------------------------
@@ -585,7 +610,7 @@ def serving_target(coll, dtype: str) -> ServingState:
   its rows: `quantize.serving_spec`)."""
   dtype = quantize.check_serving_dtype(dtype)
   stacks = {}
-  for stack in coll.plan.stacks:
+  for stack in coll.serving_plan.stacks:
     shape = (stack.total_rows, stack.emb_width)
     spec = quantize.serving_spec(coll.stack_sharding(stack).spec, dtype)
     place = lambda p, shape, dt: jax.ShapeDtypeStruct(
@@ -597,8 +622,8 @@ def serving_target(coll, dtype: str) -> ServingState:
           place(spec.bias, shape[:1], jnp.float32))
     else:
       stacks[stack.name] = place(spec, shape, jnp.dtype(dtype))
-  return ServingState(stacks, dtype, coll.plan.fingerprint,
-                      serving_layouts(coll.plan))
+  return ServingState(stacks, dtype, coll.serving_plan.fingerprint,
+                      serving_layouts(coll.serving_plan))
 
 
 def restore_serving(directory, coll, dtype: str, *,

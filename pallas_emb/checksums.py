@@ -40,21 +40,32 @@ def bit_width(dtype) -> int:
   return int(jax.dtypes.itemsize_bits(dtype))
 
 
+# A host array is summed this many elements at a time, so that a table of
+# tens of GB (a host-tier table's) needs no temporaries of its size.
+_HOST_CHUNK = 1 << 24
+
+
 def _host_checksum(x: np.ndarray) -> np.ndarray:
   """`_sums` of a host array (any numpy dtype, 64-bit ones included)."""
   x = np.ascontiguousarray(x)
   if x.dtype.kind == "c":
     x = np.stack([x.real, x.imag], -1)
   flat = x.reshape(-1)
-  if x.dtype == np.bool_:
-    words = flat.astype(np.uint32)
-  else:
-    # Little-endian words: an 8-byte element is (low word, high word).
-    words = flat.view({1: np.uint8, 2: np.uint16, 4: np.uint32,
-                       8: np.uint32}[x.dtype.itemsize]).astype(np.uint32)
-  index = np.arange(words.size, dtype=np.uint64).astype(np.uint32)
-  with np.errstate(over="ignore"):
-    return _sums(np, words, index)
+  total = np.zeros(len(_SEEDS), np.uint32)
+  for start in range(0, max(flat.size, 1), _HOST_CHUNK):
+    part = flat[start:start + _HOST_CHUNK]
+    if x.dtype == np.bool_:
+      words = part.astype(np.uint32)
+    else:
+      # Little-endian words: an 8-byte element is (low word, high word).
+      words = part.view({1: np.uint8, 2: np.uint16, 4: np.uint32,
+                         8: np.uint32}[x.dtype.itemsize]).astype(np.uint32)
+    first = start * (2 if x.dtype.itemsize == 8 else 1)
+    index = (np.arange(words.size, dtype=np.uint64) + first).astype(
+        np.uint32)
+    with np.errstate(over="ignore"):
+      total += _sums(np, words, index)
+  return total
 
 
 def _device_checksum(x: jax.Array) -> jax.Array:

@@ -22,6 +22,7 @@ the offset is added, so it never reaches another table of its stack.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import zlib
 from typing import Any, Mapping, Sequence
@@ -34,6 +35,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from pallas_emb import cpu_malloc
 from pallas_emb import exchange
 from pallas_emb import fitting
+from pallas_emb import host_tier
 from pallas_emb import inputs as inputs_lib
 from pallas_emb import kernels
 from pallas_emb import layout as layout_lib
@@ -124,6 +126,15 @@ class EmbeddingCollection:
     self.features = {f.name: f for f in features}
     self.plan = plan_lib.stack_tables(tables, features, self.group_size,
                                       dedup=self.dedup)
+    # What a serving copy holds: every stack's rows, a host-tier one's too.
+    self.serving_plan = plan_lib.CollectionPlan(tuple(
+        dataclasses.replace(s, cache_rows=0) for s in self.plan.stacks))
+    self.host_tables = tuple(t.name for t in tables if t.host)
+    if self.host_tables and jax.process_count() > 1:
+      raise InputError(
+          f"pallas_emb host-tier tables {list(self.host_tables)} need a "
+          "single-process run (their host memory is this process's); use "
+          "storage='device' under jax.distributed.")
     self._layouts_cache = {}
 
   # --- layout ---------------------------------------------------------------
@@ -153,7 +164,8 @@ class EmbeddingCollection:
     return CollectionState({
         s.name: StackState(placement_lib.table_spec(s, self.table_axis),
                            placement_lib.state_specs(s, self.table_axis),
-                           P() if s.slot_map else None)
+                           P() if s.slot_map else None,
+                           P() if s.host else None)
         for s in self.plan.stacks})
 
   def _fresh_opt_state(self, stack):
@@ -176,28 +188,51 @@ class EmbeddingCollection:
   def _map_specs(self):
     return tuple(P() if s.slot_map else None for s in self.plan.stacks)
 
+  def _cache_map_specs(self):
+    return tuple(P() if s.host else None for s in self.plan.stacks)
+
+  def _cache_maps(self, state: CollectionState | None):
+    """Per stack: a host-tier stack's cache map, placed; None otherwise."""
+    if state is None:
+      return (None,) * len(self.plan.stacks)
+    return exchange.place_state(
+        tuple(state.stacks[s.name].cache_map for s in self.plan.stacks),
+        self._cache_map_specs(), self.mesh, "state cache map")
+
   # --- state ----------------------------------------------------------------
 
   def init(self, key: jax.Array) -> CollectionState:
     """Tables (each from its initializer) and optimizer states, sharded.
 
     Each table's values depend only on `key` and its name, so adding a
-    table or restacking does not change the others.
+    table or restacking does not change the others. A host-tier table is
+    filled in host memory, chunk by chunk (`host_tier.init_table`).
     """
+    if self.host_tables:
+      return host_tier.collection_state(self, {
+          s.name: StackState(self._stored(s, self.init_stack(key, s.name)),
+                             self._fresh_opt_state(s), self._fresh_map(s))
+          for s in self.plan.stacks if not s.host}, {
+              s.name: host_tier.init_table(self.tables[s.tables[0]],
+                                           table_key(key, s.tables[0]))
+              for s in self.plan.stacks if s.host}, copy=False)
     return self.state_from_stacks(
         {s.name: self.init_stack(key, s.name) for s in self.plan.stacks})
 
   def init_stack(self, key: jax.Array, stack_name: str) -> jax.Array:
     """One stack's physical table, each of its tables from its initializer."""
     (stack,) = [s for s in self.plan.stacks if s.name == stack_name]
+    if stack.host:
+      raise InputError(
+          f"pallas_emb {stack_name} is a host-tier stack, whose rows live in "
+          "host memory; coll.init fills them there.")
 
     def init(key):
       parts = []
       for name in stack.tables:
         spec = self.tables[name]
-        table_key = jax.random.fold_in(key, zlib.crc32(name.encode()))
         parts.append(spec.initializer(
-            table_key, (spec.vocab_rows, spec.emb_width),
+            table_key(key, name), (spec.vocab_rows, spec.emb_width),
             spec.dtype).astype(spec.dtype))
       return placement_lib.to_physical(stack, parts)
 
@@ -206,6 +241,11 @@ class EmbeddingCollection:
   def state_from_stacks(self, tables: Mapping[str, jax.Array]
                         ) -> CollectionState:
     """A state from physical stack tables, with fresh optimizer state."""
+    if self.host_tables:
+      raise InputError(
+          f"pallas_emb state_from_stacks cannot build host-tier tables "
+          f"{list(self.host_tables)} (their rows live in host memory); use "
+          "coll.init or coll.state_from_arrays.")
     stacks = {s.name: s for s in self.plan.stacks}
     if set(tables) != set(stacks):
       raise InputError(
@@ -221,12 +261,15 @@ class EmbeddingCollection:
     return placement_lib.as_storage(stack, self.backend, table)
 
   def state_from_arrays(self, tables: Mapping[str, jax.Array],
-                        opt_states: Mapping[str, Any] | None = None
-                        ) -> CollectionState:
+                        opt_states: Mapping[str, Any] | None = None, *,
+                        copy: bool = True) -> CollectionState:
     """A state from logical tables (and their optimizer states, else fresh).
 
     The inverse of `table_arrays` / `optimizer_arrays`; what a checkpoint of
-    another stacking, rank count or mesh restores through.
+    another stacking, rank count or mesh restores through. A host-tier
+    table's arrays (numpy or jax) are copied into host memory; with
+    `copy=False` numpy arrays of its dtypes become its host memory as they
+    are (no second copy; they change as it trains).
     """
     state_lib.check_names(tables, self.tables, "tables")
     if opt_states is not None:
@@ -246,6 +289,8 @@ class EmbeddingCollection:
               f"{list(array.shape)}; its TableSpec says {spec.dtype.name}"
               f"[{spec.vocab_rows}, {spec.emb_width}].")
         arrays.append(array)
+      if stack.host:  # host memory, below
+        continue
       if stack.placement == "column":
         table = placement_lib.concat_rows(arrays, self.table_sharding())
       else:
@@ -268,13 +313,25 @@ class EmbeddingCollection:
                                                    opt_state)
       stacks[stack.name] = StackState(self._stored(stack, table), opt_state,
                                       self._fresh_map(stack))
+    if self.host_tables:
+      host = [s for s in self.plan.stacks if s.host]
+      return host_tier.collection_state(
+          self, stacks, {s.name: tables[s.tables[0]] for s in host},
+          opt_states and {s.name: opt_states[s.tables[0]] for s in host},
+          copy=copy)
     return CollectionState(stacks, self.plan.fingerprint)
 
   def table_arrays(self, state: CollectionState) -> dict[str, jax.Array]:
-    """`{table name: [vocab_rows, emb_width]}`, column-sharded."""
+    """`{table name: [vocab_rows, emb_width]}`, column-sharded; a host-tier
+    table's a read-only numpy view of its host memory (its changed cache
+    rows copied there first; the view follows later steps)."""
     self._check_state(state)
     out = {}
     for stack in self.plan.stacks:
+      if stack.host:  # read-only views of host memory
+        out[stack.tables[0]] = host_tier.logical_arrays(self, state,
+                                                        stack)[0]
+        continue
       table = placement_lib.as_logical(stack,
                                        state.stacks[stack.name].table)
       if stack.placement == "column":
@@ -286,13 +343,16 @@ class EmbeddingCollection:
     return {name: out[name] for name in self.tables}
 
   def optimizer_arrays(self, state: CollectionState) -> dict[str, Any]:
-    """`{table name: optimizer state of its rows}`."""
+    """`{table name: optimizer state of its rows}` (a host-tier table's
+    slots as read-only numpy views of host memory, its step on device)."""
     self._check_state(state)
     out = {}
     for stack in self.plan.stacks:
       opt_state = state.stacks[stack.name].opt_state
       if stack.optimizer is None:
         parts = [None] * len(stack.tables)
+      elif stack.host:
+        parts = [host_tier.logical_arrays(self, state, stack)[1]]
       elif stack.placement == "column":
         parts = [stack.optimizer.slice_rows(opt_state, start, start + rows)
                  for start, rows in zip(stack.row_offsets, stack.vocab_rows)]
@@ -317,18 +377,20 @@ class EmbeddingCollection:
     `apply_gradients` and the Trainer refuse it. Rows the copy cannot hold
     (an int8 row with a NaN or an infinity, or whose max - min overflows;
     a value a cast makes infinite: `quantize.unservable_rows`) are one
-    InputError naming every such table and its rows.
+    InputError naming every such table and its rows. A host-tier table is
+    quantized chunk by chunk from host memory and served whole from the
+    devices, as a device table of its placement.
     """
     self._check_state(state)
     name = quantize_lib.check_serving_dtype(dtype)
     tables = {s.name: placement_lib.as_logical(s, state.stacks[s.name].table)
-              for s in self.plan.stacks}
+              for s in self.plan.stacks if not s.host}
     state_lib.check_servable(self.plan, tables, name)
     return ServingState(
-        {s.name: quantize_lib.quantize_rows(tables[s.name], name,
-                                            check=False)
-         for s in self.plan.stacks}, name, self.plan.fingerprint,
-        state_lib.serving_layouts(self.plan))
+        {s.name: host_tier.quantize(self, state, s, name) if s.host else
+         quantize_lib.quantize_rows(tables[s.name], name, check=False)
+         for s in self.plan.stacks}, name, self.serving_plan.fingerprint,
+        state_lib.serving_layouts(self.serving_plan))
 
   def _serving_specs(self, dtype: str):
     return tuple(quantize_lib.serving_spec(spec, dtype)
@@ -351,14 +413,16 @@ class EmbeddingCollection:
     return self._layouts(inputs.shapes(), inputs.implicit)
 
   def _layouts(self, shapes: tuple[tuple[str, tuple[int, ...]], ...],
-               implicit_weights: tuple[str, ...] = ()
+               implicit_weights: tuple[str, ...] = (), serving: bool = False
                ) -> tuple[layout_lib.StackLayout, ...]:
     """The per-stack layout of a batch with these ids shapes and implicit
-    weights (cached: built once per batch shape)."""
-    key = (shapes, implicit_weights)
+    weights (cached: built once per batch shape); of the serving plan
+    (host-tier stacks served whole) if `serving`."""
+    key = (shapes, implicit_weights, serving)
     if key not in self._layouts_cache:
       self._layouts_cache[key] = layout_lib.stack_layouts(
-          self, dict(shapes), implicit_weights)
+          self, dict(shapes), implicit_weights,
+          self.serving_plan if serving else None)
     return self._layouts_cache[key]
 
   def _placed(self, values: Mapping[str, jax.Array]) -> tuple[jax.Array, ...]:
@@ -420,25 +484,56 @@ class EmbeddingCollection:
       return self._serve(state, batch)
     inputs = self._read(batch)
     layouts = self._layouts(inputs.shapes(), inputs.implicit)
+    self._check_cached(state, batch, inputs, "lookup")
     outs = per_rank.collection_lookup(
         self, layouts, self._table_specs(), self._tables(state),
         self._placed(inputs.ids),
-        self._placed_weights(inputs.weights))
+        self._placed_weights(inputs.weights), self._cache_maps(state))
     return dict(zip(self.features, outs))
+
+  def _check_cached(self, state, batch, inputs, what: str) -> None:
+    """Outside jit, a host-tier table's rows of `batch` are in its cache
+    (inside jit, uncached rows are counted in the update's overflow)."""
+    if self.host_tables and not any(isinstance(x, jax.core.Tracer)
+                                    for x in inputs.ids.values()):
+      self._check_state(state)
+      host_tier.check_cached(self, state, batch, f"collection {what}")
+
+  def prefetch(self, state: CollectionState, batch, *,
+               in_flight: int | None = None, train: bool = True):
+    """Host-side: `(state, {table: host_tier.CacheStats})` with every row of
+    `batch` that a host-tier table's features read in its device cache
+    (docs/host_tier.md), before `lookup`, `lookup_and_route`, `route` or
+    `apply_gradients` of that batch (the Trainer calls it).
+
+    The rows of the `in_flight` batches prefetched before (default: the
+    state's host tier's, 0 or the pipelined Trainer's 2) stay in the cache:
+    their updates are still to be applied. `train=False` (a batch only
+    looked up, e.g. in evaluation): its rows are not marked changed and do
+    not count as in flight. Donates `state` (use the one returned). A
+    cache too small for the rows needed at once is an InputError, before
+    anything changes. Without host-tier tables: `(state, {})`.
+    """
+    if not self.host_tables:
+      return state, {}
+    self._check_state(state)
+    return state.host.prefetch(state, host_tier.batch_rows(self, batch),
+                               in_flight, train)
 
   def _serve(self, state: ServingState, batch) -> dict[str, jax.Array]:
     """`lookup` of a serving state: the same per-rank lookup and dense
-    cotangents, over the serving copies."""
-    state_lib.check_serving(self.plan, state)
+    cotangents, over the serving copies (a host-tier table's served whole,
+    as a device table)."""
+    state_lib.check_serving(self.serving_plan, state)
     inputs = self._read(batch)
-    layouts = self._layouts(inputs.shapes(), inputs.implicit)
+    layouts = self._layouts(inputs.shapes(), inputs.implicit, serving=True)
     specs = self._serving_specs(state.dtype)
     tables = exchange.place_state(
         tuple(state.stacks[s.name] for s in self.plan.stacks), specs,
         self.mesh, "serving state")
     outs = per_rank.collection_lookup(
         self, layouts, specs, tables, self._placed(inputs.ids),
-        self._placed_weights(inputs.weights))
+        self._placed_weights(inputs.weights), None)
     return dict(zip(self.features, outs))
 
   def lookup_and_route(self, state: CollectionState, batch
@@ -450,31 +545,40 @@ class EmbeddingCollection:
     self._check_runs(state, batch, "lookup_and_route")
     inputs = self._read(batch)
     layouts = self._layouts(inputs.shapes(), inputs.implicit)
+    self._check_cached(state, batch, inputs, "lookup_and_route")
     fn = functools.partial(per_rank.lookup_per_rank, self.backend,
                            self.kernel_config, self._order(), layouts,
                            route=True)
     outs, routings = exchange.shard(
         layouts[0].ctx, fn,
         in_specs=(self._table_specs(), self._feature_specs(),
-                  self._pooled_specs(), self._map_specs()),
+                  self._pooled_specs(), self._cache_map_specs(),
+                  self._map_specs()),
         out_specs=(self._feature_specs(), self._routing_specs()),
     )(self._tables(state), self._placed(inputs.ids),
-      self._placed_weights(inputs.weights), self._maps(state))
+      self._placed_weights(inputs.weights), self._cache_maps(state),
+      self._maps(state))
     return dict(zip(self.features, outs)), self._routing(routings, inputs)
 
   def route(self, batch, state: CollectionState | None = None) -> Routing:
     """The routing of a batch alone (its ids' all-gather and dedup); with
-    dedup="slot_map" through the slot maps of `state` (None: fresh ones)."""
+    dedup="slot_map" through the slot maps of `state` (None: fresh ones).
+    A host-tier table routes through its cache: `state` is required."""
     inputs = self._read(batch)
     layouts = self._layouts(inputs.shapes(), inputs.implicit)
+    if self.host_tables and state is None:
+      raise InputError(
+          f"pallas_emb collection route needs the state: host-tier tables "
+          f"{list(self.host_tables)} route through their caches.")
+    self._check_cached(state, batch, inputs, "route")
     fn = functools.partial(per_rank.route_per_rank, self._order(), layouts)
     routings = exchange.shard(
         layouts[0].ctx, fn,
         in_specs=(self._feature_specs(), self._pooled_specs(),
-                  self._map_specs()),
+                  self._map_specs(), self._cache_map_specs()),
         out_specs=self._routing_specs())(
             self._placed(inputs.ids), self._placed_weights(inputs.weights),
-            self._maps(state))
+            self._maps(state), self._cache_maps(state))
     return self._routing(routings, inputs)
 
   def _routing(self, routings, inputs: inputs_lib.BatchInputs) -> Routing:
@@ -557,9 +661,11 @@ class EmbeddingCollection:
     )(stack_states, routings, self._placed(grads),
       jnp.asarray(pending, bool))
     names = [s.name for s in self.plan.stacks]
-    new_states = [s._replace(slot_map=m) for s, m in zip(new_states, maps)]
+    new_states = [s._replace(slot_map=m, cache_map=state.stacks[n].cache_map)
+                  for s, m, n in zip(new_states, maps, names)]
     return (CollectionState(dict(zip(names, new_states)),
-                            self.plan.fingerprint), dict(zip(names, stats)))
+                            self.plan.fingerprint, state.host),
+            dict(zip(names, stats)))
 
   # --- unique buffers from the stream ------------------------------------------
 
@@ -621,6 +727,15 @@ class EmbeddingCollection:
             "gradients were not applied"
             f"{' and their rows were served as zeros' if owners else ''}. "
             f"Raise or drop {field} of these tables (fit_{field} with more "
-            "headroom).")
+            "headroom)."
+            + (f" Host-tier table {stack.tables[0]!r}: the count includes "
+               "ids whose rows were not in its device cache (prefetch each "
+               "batch before its lookup: coll.prefetch, or the Trainer)."
+               if stack.host else ""))
     if over:  # every overflowing stack, one sentence each
       raise UniqueOverflowError("pallas_emb " + " ".join(over))
+
+
+def table_key(key: jax.Array, name: str) -> jax.Array:
+  """The key a table's initializer gets: `key` folded with its name."""
+  return jax.random.fold_in(key, zlib.crc32(name.encode()))

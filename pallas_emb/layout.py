@@ -36,6 +36,9 @@ class FeatureLayout:
   local_examples: int         # examples (leading dim) per rank
   # Its bags' weights are ones or a lengths mask (no per-id weights).
   implicit_weights: bool = False
+  # A host-tier stack's feature: the per-rank code gets its entries as
+  # keys of cache rows already (`per_rank` translates them), not as ids.
+  cached: bool = False
 
   @property
   def pooled(self) -> bool:
@@ -133,14 +136,15 @@ class StackLayout:
                                      for f in self.pooled]))
 
 
-def stack_layouts(coll, shapes, implicit_weights=()
+def stack_layouts(coll, shapes, implicit_weights=(), plan=None
                   ) -> tuple[StackLayout, ...]:
-  """The layout of every stack of `coll` for a batch with these ids shapes
-  (`{feature: shape}`) and these features' weights implicit (ones or a
-  lengths mask). Checks int32 offsets before tracing."""
+  """The layout of every stack of `coll` (of `plan`, default `coll.plan`)
+  for a batch with these ids shapes (`{feature: shape}`) and these
+  features' weights implicit (ones or a lengths mask). Checks int32
+  offsets before tracing."""
   shards = coll.group_size * coll.num_replicas
   layouts = []
-  for stack in coll.plan.stacks:
+  for stack in (plan or coll.plan).stacks:
     feats, ids_per_table = [], {}
     for name in stack.features:
       spec = coll.features[name]
@@ -151,7 +155,7 @@ def stack_layouts(coll, shapes, implicit_weights=()
           vocab_rows=table.vocab_rows, padding_id=table.padding_id,
           shape=tuple(shapes[name]), combiner=spec.combiner,
           local_examples=shapes[name][0] // shards,
-          implicit_weights=name in implicit_weights))
+          implicit_weights=name in implicit_weights, cached=stack.host))
       ids_per_table[table.name] = ids_per_table.get(table.name, 0) + (
           math.prod(shapes[name]))
     # Sequence features first: their ids are gathered, pooled ones pooled.

@@ -16,6 +16,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 import numpy as np
 from jax.sharding import NamedSharding
 
@@ -45,30 +46,82 @@ def per_stack(coll_order, layouts, all_ids, all_weights):
     yield layout, ids, weights
 
 
+def _per_stack_cached(coll_order, layouts, all_ids, all_weights,
+                      cache_maps):
+  """`per_stack`, with a host-tier stack's ids as keys of its cache rows
+  (`cache_keys`, through its map in `cache_maps`) and, last, the count of
+  its entries whose row is not cached (None for a device stack)."""
+  for (layout, ids, weights), cache_map in zip(
+      per_stack(coll_order, layouts, all_ids, all_weights),
+      cache_maps or (None,) * len(layouts)):
+    missing = None
+    if cache_map is not None:
+      ids, missing = cache_keys(layout, ids, weights, cache_map)
+    yield layout, ids, weights, missing
+
+
+def cache_keys(layout, ids, weights, cache_map):
+  """A host-tier stack's entries as keys of its cache rows, and how many
+  entries of the communicator read a row the cache does not hold (int32).
+
+  `stack.entry_keys` makes each entry's key of its logical row (the id
+  rules of every stack: wrap once, clamp, padding, weight 0); the cache map
+  turns the row into its cache row (docs/host_tier.md). An entry whose row
+  is not cached (its batch was not prefetched: `coll.prefetch`) reads cache
+  row 0 and never trains; the routing adds it to `num_overflow`, which
+  `raise_if_overflow` (and the Trainer) turn into an error.
+  """
+  w_by_name = dict(zip((f.name for f in layout.pooled), weights))
+  out, missing = [], jnp.int32(0)
+  for f, x in zip(layout.features, ids):
+    keys = stack.entry_keys(f, x, w_by_name.get(f.name))
+    cache = jnp.take(cache_map, stack.rows_of(keys))
+    absent = cache < 0
+    missing += jnp.sum(absent, dtype=jnp.int32)
+    cache = jnp.where(absent, 0, cache)
+    out.append(jnp.where((keys >= 0) & ~absent, cache, ~cache))
+  ctx = layout.ctx
+  return out, lax.psum(missing, exchange.axis_name(ctx.table_axis
+                                                   + ctx.replica_axis))
+
+
+def _with_missing(routing, missing):
+  """A routing whose overflow count includes the entries read uncached."""
+  if missing is None:
+    return routing
+  return routing._replace(num_overflow=routing.num_overflow + missing)
+
+
 def lookup_per_rank(backend, kernel_config, coll_order, layouts, tables,
-                     all_ids, all_weights, maps=None, *, route):
+                     all_ids, all_weights, cache_maps=None, maps=None, *,
+                     route):
   """Embeddings of every feature (collection order) [+ each stack's routing,
-  deduped through its slot map where `maps` (per stack) has one]."""
+  deduped through its slot map where `maps` (per stack) has one]; a
+  host-tier stack's rows through its cache map in `cache_maps`."""
   outs, routings = {}, []
-  for (layout, ids, weights), table, slot_map in zip(
-      per_stack(coll_order, layouts, all_ids, all_weights), tables,
-      maps or (None,) * len(layouts)):
+  for (layout, ids, weights, missing), table, slot_map in zip(
+      _per_stack_cached(coll_order, layouts, all_ids, all_weights,
+                        cache_maps), tables, maps or (None,) * len(layouts)):
     embs = dataflow(layout).lookup_stack(layout, backend, table, ids, weights,
                                          kernel_config, with_routing=route,
                                          **_map_arg(slot_map))
     if route:
       embs, routing = embs
-      routings.append(routing)
+      routings.append(_with_missing(routing, missing))
     outs.update(zip((f.name for f in layout.features), embs))
   embeddings = tuple(outs[name] for name in coll_order[0])
   return (embeddings, tuple(routings)) if route else embeddings
 
 
-def route_per_rank(coll_order, layouts, all_ids, all_weights, maps):
+def route_per_rank(coll_order, layouts, all_ids, all_weights, maps,
+                   cache_maps=None):
   return tuple(
-      dataflow(layout).route_stack(layout, ids, weights, **_map_arg(slot_map))
-      for (layout, ids, weights), slot_map in zip(
-          per_stack(coll_order, layouts, all_ids, all_weights), maps))
+      _with_missing(dataflow(layout).route_stack(layout, ids, weights,
+                                                 **_map_arg(slot_map)),
+                    missing)
+      for (layout, ids, weights, missing), slot_map in zip(
+          _per_stack_cached(coll_order, layouts, all_ids, all_weights,
+                            cache_maps), maps))
 
 
 def _map_arg(slot_map):
@@ -96,15 +149,17 @@ def apply_per_rank(backend, kernel_config, order, layouts, states, routings,
 
 
 def _dense_grads_per_rank(coll_order, layouts, tables, all_ids, all_weights,
-                          all_cotangents):
+                          all_cotangents, cache_maps=None):
   """The dense scatter-add cotangent of every stack table (of an int8
-  serving copy: of the f32 rows it reads back as)."""
+  serving copy: of the f32 rows it reads back as; of a host-tier stack:
+  of its cache)."""
   cts = _by_stack(coll_order[0], layouts, all_cotangents)
   return tuple(
       dataflow(layout).dense_grad_stack(layout, _read_back(table), ids,
                                         weights, stack_cts)
-      for (layout, ids, weights), table, stack_cts in zip(
-          per_stack(coll_order, layouts, all_ids, all_weights), tables, cts))
+      for (layout, ids, weights, _), table, stack_cts in zip(
+          _per_stack_cached(coll_order, layouts, all_ids, all_weights,
+                            cache_maps), tables, cts))
 
 
 def _read_back(table):
@@ -120,37 +175,51 @@ def _read_back(table):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
 def collection_lookup(coll, layouts, table_specs, tables, all_ids,
-                      all_weights):
+                      all_weights, cache_maps):
   """Every feature's embeddings from `tables` (a state's stack tables, or a
-  serving state's copies: `table_specs` are their PartitionSpecs)."""
+  serving state's copies: `table_specs` are their PartitionSpecs); a
+  host-tier stack's rows through its cache map in `cache_maps`."""
   fn = functools.partial(lookup_per_rank, coll.backend, coll.kernel_config,
                          coll._order(), layouts, route=False)
   return exchange.shard(
       layouts[0].ctx, fn,
-      in_specs=(table_specs, coll._feature_specs(), coll._pooled_specs()),
-      out_specs=coll._feature_specs())(tables, all_ids, all_weights)
+      in_specs=(table_specs, coll._feature_specs(), coll._pooled_specs(),
+                _map_specs(coll, cache_maps)),
+      out_specs=coll._feature_specs())(tables, all_ids, all_weights,
+                                       cache_maps)
+
+
+def _map_specs(coll, cache_maps):
+  """The specs of the cache maps (None: a serving state has none)."""
+  return None if cache_maps is None else coll._cache_map_specs()
 
 
 def collection_lookup_fwd(coll, layouts, table_specs, tables, all_ids,
-                          all_weights):
+                          all_weights, cache_maps):
   return (collection_lookup(coll, layouts, table_specs, tables, all_ids,
-                            all_weights), (tables, all_ids, all_weights))
+                            all_weights, cache_maps),
+          (tables, all_ids, all_weights, cache_maps))
 
 
 def collection_lookup_bwd(coll, layouts, table_specs, residuals, cotangents):
-  tables, all_ids, all_weights = residuals
+  tables, all_ids, all_weights, cache_maps = residuals
   fn = functools.partial(_dense_grads_per_rank, coll._order(), layouts)
   dense_specs = tuple(s.codes if isinstance(s, QuantizedRows) else s
                       for s in table_specs)
   dense = exchange.shard(
       layouts[0].ctx, fn,
       in_specs=(table_specs, coll._feature_specs(),
-                coll._pooled_specs(), coll._feature_specs()),
-      out_specs=dense_specs)(tables, all_ids, all_weights, tuple(cotangents))
+                coll._pooled_specs(), coll._feature_specs(),
+                _map_specs(coll, cache_maps)),
+      out_specs=dense_specs)(tables, all_ids, all_weights, tuple(cotangents),
+                             cache_maps)
   table_cts = tuple(_table_cotangent(coll.mesh, t, spec, ct)
                     for t, spec, ct in zip(tables, table_specs, dense))
-  # No cotangent for the ids; the weights' would need the table (unused).
-  return table_cts, None, jax.tree.map(jnp.zeros_like, all_weights)
+  # No cotangent for the ids, nor for the cache maps; the weights' would
+  # need the table (unused).
+  return (table_cts, None, jax.tree.map(jnp.zeros_like, all_weights),
+          jax.tree.map(lambda m: np.zeros(m.shape, jax.dtypes.float0),
+                       cache_maps))
 
 
 def _table_cotangent(mesh, table, spec, dense):

@@ -16,6 +16,7 @@ all-gather per stack serves the lookup, the dedup and the update).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 from typing import Any, Callable, Mapping, NamedTuple
 
@@ -28,6 +29,7 @@ from pallas_emb.state import CollectionState
 from pallas_emb.collection import EmbeddingCollection
 from pallas_emb.state import Routing
 from pallas_emb.state import move_slot_maps
+from pallas_emb.errors import InputError
 from pallas_emb.errors import PipelineMisuse
 from pallas_emb.errors import UniqueOverflowError
 
@@ -61,9 +63,13 @@ class PipelineState(NamedTuple):
 
 
 class StepMetrics(NamedTuple):
+  """`updates`: stack name -> UpdateStats; `cache`: host-tier table name ->
+  `host_tier.CacheStats` of the batch prefetched in the step (None
+  without host-tier tables)."""
   loss: jax.Array
   aux: Any
-  updates: dict[str, Any]  # stack name -> UpdateStats
+  updates: dict[str, Any]
+  cache: dict[str, Any] | None = None
 
 
 class _NotOurOverflow(logging.Filter):
@@ -87,6 +93,11 @@ def _quiet_overflow_logs() -> None:
 @dataclasses.dataclass(frozen=True, eq=False)
 class Trainer:
   """A collection's tables with the fused sparse update, dense params with optax.
+
+  With host-tier tables (docs/host_tier.md), `step` is called as it is,
+  not under your jit: it prefetches the batch it looks up into the device
+  caches on the host, then runs its own jitted step (donating the state),
+  while the previous step may still run on the devices.
 
   Args:
     collection: the `EmbeddingCollection` (its backend runs the kernels).
@@ -122,7 +133,7 @@ class Trainer:
     """Raises (through a host callback) if an update overflowed a cap; only
     collections with a capped table can overflow, so only they pay for it."""
     capped = any(t.max_unique is not None
-                 or t.max_ids_per_partition is not None
+                 or t.max_ids_per_partition is not None or t.host
                  for t in self.collection.tables.values())
     if self.check_overflow and capped:
       _quiet_overflow_logs()
@@ -163,6 +174,9 @@ class Trainer:
     """
     dense_params = self._on_mesh(dense_params)
     dense_opt_state = self._on_mesh(self.dense_optimizer.init(dense_params))
+    if getattr(embedding, "host", None) is not None:
+      # The batches whose updates are in flight keep their cache rows.
+      embedding.host.in_flight = 2 if self.pipelined else 0
     if not self.pipelined:
       return PipelineState(embedding, dense_params, dense_opt_state, None,
                            None)
@@ -170,6 +184,7 @@ class Trainer:
       raise PipelineMisuse(
           "pallas_emb pipelined Trainer.init needs first_batch: the first "
           "lookup is issued at init so step 0 has embeddings to consume.")
+    embedding, _ = self.collection.prefetch(embedding, first_batch)
     embeddings, routing = jax.jit(self.collection.lookup_and_route)(
         embedding, first_batch)
     embedding, routing = move_slot_maps(embedding, routing)
@@ -185,9 +200,36 @@ class Trainer:
   def step(self, state: PipelineState, batch, next_batch=None):
     """One step on `batch`; pipelined mode also prefetches `next_batch`.
 
-    Returns `(state, StepMetrics)`. Jit it with `donate_argnums=0`.
+    Returns `(state, StepMetrics)`. Jit it with `donate_argnums=0` (with
+    host-tier tables it jits itself: call it as it is).
     """
     self._check_state(state, next_batch)
+    if self.collection.host_tables:
+      return self._host_step(state, batch, next_batch)
+    return self._step(state, batch, next_batch)
+
+  def _host_step(self, state, batch, next_batch):
+    """Prefetch the batch this step looks up into the host-tier tables'
+    caches (on the host: the previous step may still run), then the
+    jitted step."""
+    if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(state)):
+      raise InputError(
+          f"pallas_emb Trainer.step was traced (under jax.jit?), but host-"
+          f"tier tables {list(self.collection.host_tables)} move rows "
+          "between host memory and their device caches before each step; "
+          "call trainer.step(state, batch, next_batch) unjitted: it jits "
+          "its device step itself.")
+    embedding, cache = self.collection.prefetch(
+        state.embedding, next_batch if self.pipelined else batch)
+    state, metrics = self._jitted_step(state._replace(embedding=embedding),
+                                       batch, next_batch)
+    return state, metrics._replace(cache=cache)
+
+  @functools.cached_property
+  def _jitted_step(self):
+    return jax.jit(self._step, donate_argnums=0)
+
+  def _step(self, state: PipelineState, batch, next_batch):
     coll = self.collection
     if not self.pipelined:
       embeddings, routing = coll.lookup_and_route(state.embedding, batch)

@@ -40,6 +40,10 @@ ID_BYTES = 4
 # The report says what replication would cost for tables of at most this
 # many bytes per rank (table and optimizer state) that are not replicated.
 SMALL_TABLE_BYTES = 1 << 20
+# A table the planner puts on the host tier gets a device cache of this
+# many batches' distinct rows: the three the pipelined Trainer keeps in
+# flight and five more of rows to reuse (docs/planner.md).
+HOST_CACHE_BATCHES = 8
 
 
 class PlanInfeasibleError(Error):
@@ -113,6 +117,16 @@ class TablePlan:
   sent_per_step: int
   alternatives: dict[str, tuple[int, int]] = dataclasses.field(
       default_factory=dict)
+  # The host tier (docs/host_tier.md): a table moved there keeps its rows
+  # in `host_bytes` of host memory and a cache of `cache_rows` rows on the
+  # devices (its `bytes_per_rank`); `link_bytes_per_step` bounds what
+  # crosses the host link per step (every distinct row a miss, fetched
+  # and copied back); `why` says what made the planner move it.
+  storage: str = "device"
+  cache_rows: int | None = None
+  host_bytes: int = 0
+  link_bytes_per_step: int = 0
+  why: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,6 +147,7 @@ class PlanReport:
   sent_per_rank: tuple[int, ...]
   column_only_memory: int | None
   column_only_sent: int | None
+  host_memory: int | None = None
 
   def as_dict(self) -> dict[str, Any]:
     return dataclasses.asdict(self)
@@ -145,6 +160,12 @@ class PlanReport:
                              else "")
       lines.append(f"  {t.name}: {where}, {t.bytes_per_rank} bytes per "
                    f"rank, sends {t.sent_per_step} bytes per step")
+      if t.storage == "host":
+        lines.append(
+            f"    host tier: {t.host_bytes} bytes in host memory, a device "
+            f"cache of {t.cache_rows} rows, up to "
+            f"{t.link_bytes_per_step} bytes per step over the host link; "
+            f"{t.why}")
       # Why a small table is not replicated (docs/planner.md).
       if (t.placement != "replicated" and "replicated" in t.alternatives
           and t.bytes_per_rank <= SMALL_TABLE_BYTES):
@@ -172,6 +193,7 @@ class _Model:
   def __init__(self, tables, features, ranks, batch_size, stats,
                dedup="sort"):
     self.tables, self.features, self.ranks = tables, features, ranks
+    self.batch_size, self.stats = batch_size, stats
     self.dedup = dedup
     self._alone = {}
     self.entries, self.rows_out, self.grad_rows = {}, {}, {}
@@ -209,6 +231,8 @@ class _Model:
 
   @staticmethod
   def _replace(table, placement):
+    if table.host:  # a host-tier table keeps its (row) placement
+      return table
     changes = dict(placement=placement, rank=None)
     if placement in ("row", "table"):
       changes["max_unique"] = None  # owners size buffers by caps instead
@@ -343,7 +367,8 @@ def plan(tables: Sequence[TableSpec], features: Sequence[FeatureSpec],
          mesh: jax.sharding.Mesh, *, table_axis, batch_size: int,
          device_memory: int | None = None,
          stats: Mapping[str, FeatureStats] | None = None,
-         reserve: int | None = None, dedup: str | None = None
+         reserve: int | None = None, dedup: str | None = None,
+         host_memory: int | None = None
          ) -> tuple[list[TableSpec], PlanReport]:
   """Chooses every table's placement (and rank) under a memory budget.
 
@@ -362,6 +387,12 @@ def plan(tables: Sequence[TableSpec], features: Sequence[FeatureSpec],
       tables count their stack's slot map, 4 bytes a row on every rank;
       None: the default a collection on `mesh` with the default backend
       takes, `validation.default_dedup`).
+    host_memory: bytes of host memory the host tier may hold (all ranks
+      together; None: no host tier). When no placement fits the device
+      budget, the tables with the most bytes per rank move to the host
+      tier (row-placed, with a device cache of `HOST_CACHE_BATCHES`
+      batches' distinct rows) until every rank fits; the report says
+      which and why.
 
   Returns:
     `(tables with placements, PlanReport)`.
@@ -398,7 +429,8 @@ def plan(tables: Sequence[TableSpec], features: Sequence[FeatureSpec],
   # Column needs the width to divide; a table whose W blocks of its rows
   # (table placement pads every rank to it) exceed int32 ids is not placed
   # whole on a rank.
-  allowed = [[p for p in ORDER
+  allowed = [[t.placement] if t.host else
+             [p for p in ORDER
               if (p != "column" or t.emb_width % ranks == 0)
               and (p != "table" or ranks * t.vocab_rows <= MAX_INT32)]
              for t in tables]
@@ -435,27 +467,104 @@ def plan(tables: Sequence[TableSpec], features: Sequence[FeatureSpec],
   candidates = [current] + [[p] * len(tables) for p in ORDER
                             if all(p in ps for ps in allowed)]
   feasible = [c for c in candidates if model.fits(model.placed(c), budget)]
+  why, device_model, device_allowed = {}, model, allowed
+  if not feasible and host_memory is not None:
+    # 5. The host tier, for the tables that store most per rank.
+    short = min(model.memory(model.placed(c)) for c in candidates) - budget
+    model, current, allowed, why = _to_host_tier(
+        model, current, allowed, budget, host_memory, short)
+    feasible = [current] if model.fits(model.placed(current), budget) else []
+    candidates = [current]
   if not feasible:
-    _raise_infeasible(model, candidates, tables, ranks, budget,
-                      device_memory, reserve)
+    _raise_infeasible(model, candidates, model.tables, ranks, budget,
+                      device_memory, reserve, host_memory)
   best = min(feasible, key=model.key)
   placed = model.placed(best, pin_ranks=True)
   memory, sent = model.memory(placed), int(round(model.sent(placed)))
   column = ["column"] * len(tables)
-  column_ok = all("column" in ps for ps in allowed)
+  column_ok = all("column" in ps for ps in device_allowed)
   report = PlanReport(
       ranks=ranks, budget=budget, device_memory=int(device_memory),
       reserve=int(reserve),
       tables=tuple(TablePlan(t.name, p, t.rank, *model.alone(t, p),
                              alternatives={q: model.alone(t, q)
-                                           for q in ps})
+                                           for q in ps},
+                             **_host_fields(model, t, why))
                    for t, p, ps in zip(placed, best, allowed)),
       memory_per_rank=(memory,) * ranks, sent_per_rank=(sent,) * ranks,
-      column_only_memory=(model.memory(model.placed(column)) if column_ok
-                          else None),
-      column_only_sent=(int(round(model.sent(model.placed(column))))
-                        if column_ok else None))
+      column_only_memory=(device_model.memory(device_model.placed(column))
+                          if column_ok else None),
+      column_only_sent=(int(round(device_model.sent(device_model.placed(
+          column)))) if column_ok else None),
+      host_memory=host_memory)
   return placed, report
+
+
+def _distinct_per_step(model, table) -> float:
+  """A table's distinct rows in one step's batch: measured per feature
+  (`batch_stats`), else every id of the step distinct; at most its rows."""
+  distinct = 0.0
+  for f in model.features:
+    if f.table == table.name:
+      s = model.stats.get(f.name, FeatureStats())
+      distinct += (s.distinct_per_batch if s.distinct_per_batch is not None
+                   else model.ranks * model.batch_size * s.ids_per_example)
+  return min(distinct, table.vocab_rows)
+
+
+def _host_cache_rows(model, table) -> int:
+  """The device cache the planner gives a host-tier table: the distinct
+  rows of `HOST_CACHE_BATCHES` steps, a multiple of 8 per rank, fewer
+  than its rows."""
+  step = 8 * model.ranks
+  rows = step * math.ceil(
+      HOST_CACHE_BATCHES * max(_distinct_per_step(model, table), 1) / step)
+  return int(min(rows, table.vocab_rows - 1))
+
+
+def _to_host_tier(model, current, allowed, budget, host_memory, short):
+  """Moves the tables of most bytes per rank to the host tier, one at a
+  time, until every rank fits the budget (or none is left to move, or
+  host memory is full). Returns the new model, placements, allowed
+  placements and `{table: why}`."""
+  tables, current, allowed = list(model.tables), list(current), list(allowed)
+  why, host_used = {}, 0
+  while not model.fits(model.placed(current), budget):
+    movable = [i for i, t in enumerate(tables)
+               if not t.host and t.vocab_rows > 1]
+    if not movable:
+      break
+    i = max(movable, key=lambda i: model.alone(tables[i], current[i])[0])
+    t = tables[i]
+    host = dataclasses.replace(
+        t, placement="row", rank=None, max_unique=None, storage="host",
+        cache_rows=_host_cache_rows(model, t))
+    host_bytes = next(s for s in model.stacks([host])
+                      if s.host).host_bytes()
+    if host_used + host_bytes > host_memory:
+      break
+    host_used += host_bytes
+    why[t.name] = (
+        f"no placement fits the device budget ({short} bytes per rank "
+        f"short), and it stored the most per rank "
+        f"({model.alone(t, current[i])[0]} bytes as {current[i]})")
+    tables[i], current[i], allowed[i] = host, "row", ["row"]
+    model = _Model(tables, model.features, model.ranks, model.batch_size,
+                   model.stats, model.dedup)
+  return model, current, allowed, why
+
+
+def _host_fields(model, table, why) -> dict[str, Any]:
+  """The host-tier fields of a table's `TablePlan` (none for a device
+  table)."""
+  if not table.host:
+    return {}
+  (stack,) = [s for s in model.stacks([table]) if s.host]
+  return dict(storage="host", cache_rows=table.cache_rows,
+              host_bytes=stack.host_bytes(),
+              link_bytes_per_step=int(2 * _distinct_per_step(model, table)
+                                      * stack.row_bytes()),
+              why=why.get(table.name, "given as host-tier"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -506,7 +615,7 @@ def plan_cost(tables: Sequence[TableSpec], features: Sequence[FeatureSpec],
 
 
 def _raise_infeasible(model, candidates, tables, ranks, budget,
-                      device_memory, reserve):
+                      device_memory, reserve, host_memory=None):
   least = min(model.memory(model.placed(c)) for c in candidates)
   row = [(model.alone(t, "row")[0], t.name) for t in tables]
   largest = ", ".join(f"{name!r} ({need} bytes per rank as row)"
@@ -518,4 +627,7 @@ def _raise_infeasible(model, candidates, tables, ranks, budget,
       f"ranks: the least memory of any plan tried is {least} bytes per "
       f"rank, the largest tables being {largest}; give about {more} ranks "
       "or more, a larger device_memory or smaller reserve, or store the "
-      "largest tables in bfloat16 or with an optimizer of less state.")
+      "largest tables in bfloat16 or with an optimizer of less state"
+      + (f", or give the host tier more than host_memory={host_memory} "
+         "bytes." if host_memory is not None else
+         ", or let them move to the host tier (host_memory=...)."))

@@ -32,6 +32,12 @@ default_initializer = jax.nn.initializers.variance_scaling(
 COMBINERS = ("sum", "mean", "sqrtn")
 # Where a table's rows live over the communicator (see docs/placements.md).
 PLACEMENTS = ("column", "row", "table", "replicated")
+# Where a table's rows are stored (docs/host_tier.md): on the devices, or
+# in host memory with a row cache on the devices.
+STORAGES = ("device", "host")
+CACHE_POLICIES = ("lru", "lfu")
+# Placements a host-tier table may take (its cache is laid out like them).
+HOST_PLACEMENTS = ("column", "row", "replicated")
 MAX_INT32 = np.iinfo(np.int32).max
 
 
@@ -70,6 +76,13 @@ class TableSpec:
       rows of this table one rank sends to one owner per batch (default:
       never overflows); `EmbeddingCollection.fit_max_ids_per_partition`
       sets it from sample batches.
+    storage: "device" (the table and its optimizer state on the devices)
+      or "host" (both in host memory; the devices keep a cache of
+      `cache_rows` of its rows; docs/host_tier.md).
+    cache_rows: "host" storage: rows of the device cache (required; fewer
+      than vocab_rows). Row placement spreads them over the ranks.
+    cache_policy: "host" storage: which rows the cache evicts, "lru" (the
+      least recently used) or "lfu" (the least frequently used).
   """
   name: str
   vocab_rows: int
@@ -83,6 +96,9 @@ class TableSpec:
   placement: str = "column"
   rank: int | None = None
   max_ids_per_partition: int | None = None
+  storage: str = "device"
+  cache_rows: int | None = None
+  cache_policy: str = "lru"
 
   def __post_init__(self):
     if not _name_ok(self.name):
@@ -143,11 +159,53 @@ class TableSpec:
             "an owner, so only 'row' and 'table' placements take it.")
       validation.check_positive(f"{what} max_ids_per_partition",
                                 self.max_ids_per_partition)
+    self._check_storage(what)
+
+  def _check_storage(self, what: str) -> None:
+    if self.storage not in STORAGES:
+      raise InputError(f"pallas_emb {what} storage={self.storage!r}; "
+                       f"expected one of {STORAGES}.")
+    if self.cache_policy not in CACHE_POLICIES:
+      raise InputError(f"pallas_emb {what} cache_policy="
+                       f"{self.cache_policy!r}; expected one of "
+                       f"{CACHE_POLICIES}.")
+    if self.storage == "device":
+      if self.cache_rows is not None or self.cache_policy != "lru":
+        raise InputError(
+            f"pallas_emb {what} has a cache_rows or cache_policy but "
+            "storage='device', whose rows all live on the devices; give "
+            "storage='host' to keep the table in host memory with a device "
+            "cache, or drop them.")
+      return
+    if self.cache_rows is None:
+      raise InputError(
+          f"pallas_emb {what} storage='host' needs cache_rows=C, the rows "
+          "of its device cache (at least the distinct rows the batches in "
+          "flight read: one batch's, three under the pipelined Trainer).")
+    validation.check_positive(f"{what} cache_rows", self.cache_rows)
+    if self.cache_rows >= self.vocab_rows:
+      raise InputError(
+          f"pallas_emb {what} cache_rows={self.cache_rows} is not fewer than "
+          f"its vocab_rows={self.vocab_rows}: the whole table fits the "
+          "cache; keep it on the devices (storage='device').")
+    if self.placement not in HOST_PLACEMENTS:
+      raise InputError(
+          f"pallas_emb {what} storage='host' with placement="
+          f"{self.placement!r}: a host-tier table's cache is column-, row- "
+          f"or replicated-placed ({HOST_PLACEMENTS}); 'row' spreads it over "
+          "every rank.")
+
+  @property
+  def host(self) -> bool:
+    """Whether the table lives in host memory (with a device row cache)."""
+    return self.storage == "host"
 
   @property
   def stack_key(self):
-    """Tables with equal keys share one physical array."""
-    return (self.placement, self.emb_width, self.dtype.name, self.optimizer)
+    """Tables with equal keys share one physical array; a host-tier table
+    is a stack of its own (its cache and host store are its own)."""
+    key = (self.placement, self.emb_width, self.dtype.name, self.optimizer)
+    return key + (("host", self.name) if self.host else ())
 
 
 @dataclasses.dataclass(frozen=True)

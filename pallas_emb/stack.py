@@ -126,7 +126,10 @@ def local_entries(layout: StackLayout, ids: Sequence[jax.Array],
   combiner weights of its pooled features.
   """
   w_by_name = dict(zip((f.name for f in layout.pooled), weights))
-  parts = [entry_keys(f, x, w_by_name.get(f.name))
+  # A host-tier stack's entries arrive as keys of its cache rows already
+  # (`per_rank.cache_keys`: `entry_keys`, then the cache map).
+  parts = [x.reshape(-1) if f.cached
+           else entry_keys(f, x, w_by_name.get(f.name))
            for f, x in zip(layout.features, ids)]
   wbits = [lax.bitcast_convert_type(w_by_name[f.name].reshape(-1),
                                     jnp.int32) for f in layout.pooled]

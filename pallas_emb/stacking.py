@@ -14,6 +14,11 @@ The physical array of a stack, per placement (W ranks, R stacked rows):
               the local row), so Zipf-hot low ids spread over every rank
   table       `[W * block_rows, D]`, rows over the ranks: each table lies
               whole inside one rank's block, at its row offset
+
+A host-tier table (`TableSpec(storage="host")`) is a stack of its own whose
+physical array is its device cache of C rows, laid out as above as if the
+stack had C rows (a row cache: `ceil(C / W)` slots on every rank); its
+logical rows live in host memory (`host_tier.py`, docs/host_tier.md).
 """
 
 from __future__ import annotations
@@ -46,12 +51,25 @@ class StackPlan:
   ranks: int = 1              # W, the communicator the layout is for
   block_rows: int = 0         # "table": rows of each rank's block
   slot_map: bool = False      # dedups through an int32 [total_rows] map
+  cache_rows: int = 0         # a host-tier table's device cache (0: none)
+  cache_policy: str = "lru"
+
+  @property
+  def host(self) -> bool:
+    """A host-tier stack: its rows in host memory, a row cache on device."""
+    return self.cache_rows > 0
+
+  @property
+  def logical_rows(self) -> int:
+    """Rows of the stack's tables (a host-tier stack's map has one each)."""
+    return sum(self.vocab_rows)
 
   @property
   def total_rows(self) -> int:
     """Rows of the stack's global physical array `[total_rows, emb_width]`;
-    row and table placements pad them to W equal blocks."""
-    rows = sum(self.vocab_rows)
+    row and table placements pad them to W equal blocks. A host-tier
+    stack's physical array is its cache of `cache_rows` rows."""
+    rows = self.cache_rows or sum(self.vocab_rows)
     if self.placement == "table":
       return self.ranks * self.block_rows
     if self.placement == "row":
@@ -68,14 +86,18 @@ class StackPlan:
   def rank_bytes(self) -> tuple[int, int]:
     """`(table, optimizer state)` bytes each rank stores: its shard of the
     physical array and of every optimizer state array (the step too); the
-    state counts the slot map (`map_bytes`) too, which every rank holds."""
+    state counts the slot map (`map_bytes`) too, which every rank holds,
+    and a host-tier stack's cache map (`cache_map_bytes`). A host-tier
+    stack's table and state are those of its cache (`host_bytes`: what
+    host memory holds)."""
     width = self.emb_width // (self.ranks if self.placement == "column"
                                else 1)
     rows = self.local_rows
     table = rows * width * self.dtype.itemsize
+    maps = self.map_bytes + self.cache_map_bytes
     if self.optimizer is None:
-      return table, self.map_bytes
-    state = 4 + self.map_bytes  # the step counter
+      return table, maps
+    state = 4 + maps  # the step counter
     for slot in self.optimizer.slots():
       item = np.dtype(slot.dtype).itemsize
       if slot.kind == "row":
@@ -89,6 +111,25 @@ class StackPlan:
   def map_bytes(self) -> int:
     """Bytes of the stack's slot map on each rank (0 without one)."""
     return 4 * self.total_rows if self.slot_map else 0
+
+  @property
+  def cache_map_bytes(self) -> int:
+    """Bytes of a host-tier stack's cache map (int32 per logical row, on
+    every rank; 0 for a device stack)."""
+    return 4 * self.logical_rows if self.host else 0
+
+  def row_bytes(self) -> int:
+    """Bytes of one full-width logical row with its optimizer state."""
+    total = self.emb_width * self.dtype.itemsize
+    for slot in (self.optimizer.slots() if self.optimizer else ()):
+      total += np.dtype(slot.dtype).itemsize * (
+          self.emb_width if slot.kind == "element" else 1)
+    return total
+
+  def host_bytes(self) -> int:
+    """Bytes of host memory a host-tier stack's store holds (rows and
+    optimizer state; 0 for a device stack)."""
+    return self.logical_rows * self.row_bytes() if self.host else 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,6 +153,7 @@ class CollectionPlan:
                   s.dtype.name, repr(s.optimizer), s.features)
                  + ((s.placement, s.ranks, s.block_rows)
                     if s.placement != "column" else ())
+                 + ((s.cache_rows, s.cache_policy) if s.host else ())
                  for s in self.stacks])
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
@@ -123,18 +165,25 @@ class CollectionPlan:
     optimizer state each rank stores (its shards of the state's arrays)."""
     table = sum(s.rank_bytes()[0] for s in self.stacks)
     state = sum(s.rank_bytes()[1] for s in self.stacks)
-    maps = sum(s.map_bytes for s in self.stacks)
+    maps = [f"{n} {what} map bytes" for n, what in (
+        (sum(s.map_bytes for s in self.stacks), "slot"),
+        (sum(s.cache_map_bytes for s in self.stacks), "cache")) if n]
+    host = sum(s.host_bytes() for s in self.stacks)
     return (f"{self._text(detailed=True)}\nper rank (each of "
             f"{self.stacks[0].ranks}): {table} table bytes + {state} "
             "optimizer state bytes"
-            + (f" (of which {maps} slot map bytes)" if maps else ""))
+            + (f" (of which {' and '.join(maps)})" if maps else "")
+            + (f"; host memory: {host} bytes" if host else ""))
 
   def _text(self, detailed: bool) -> str:
     lines = []
     for s in self.stacks:
       # A column stack prints as it always has unless details are asked.
       where = f"{s.placement} " if detailed or s.placement != "column" else ""
-      line = (f"{s.name}: {where}[{s.total_rows}, {s.emb_width}] "
+      shape = (f"host [{s.logical_rows}, {s.emb_width}], a device cache of "
+               f"{s.cache_rows} rows ({s.cache_policy})" if s.host else
+               f"[{s.total_rows}, {s.emb_width}]")
+      line = (f"{s.name}: {where}{shape} "
               f"{s.dtype.name}, {type(s.optimizer).__name__}, features "
               f"{list(s.features)}")
       if detailed:
@@ -184,7 +233,9 @@ def stack_tables(tables: Sequence[TableSpec],
         optimizer=members[0].optimizer,
         features=tuple(f.name for f in features if f.table in names),
         placement=placement, ranks=ranks, block_rows=block_rows,
-        slot_map=uses_slot_map(dedup, placement, members[0].optimizer))
+        slot_map=uses_slot_map(dedup, placement, members[0].optimizer),
+        cache_rows=members[0].cache_rows or 0,
+        cache_policy=members[0].cache_policy)
     if max_rows is not None and stack.total_rows > max_rows:
       raise InputError(
           f"pallas_emb tables {list(names)} stack into {stack.total_rows} "

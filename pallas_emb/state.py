@@ -32,24 +32,38 @@ class StackState(NamedTuple):
   steps, on every rank; None otherwise. Not saved nor shown: it follows
   from the rows (`coll.init`, `state_from_arrays` and restores rebuild it;
   a state without one gets a fresh one at its next route).
+
+  A host-tier stack (`StackPlan.host`): `table` and `opt_state`'s slots are
+  its device cache (`StackPlan.total_rows` rows; the step counter is the
+  optimizer's, as for any stack), and `cache_map` the int32 `[logical
+  rows]` map from each row of the table to its cache row (-1: not in the
+  cache), on every rank; None for a device stack. `host_tier.py` keeps
+  the table's rows and state in host memory.
   """
   table: jax.Array
   opt_state: Any
   slot_map: jax.Array | None = None
+  cache_map: jax.Array | None = None
 
 
 @functools.partial(jax.tree_util.register_dataclass,
-                   data_fields=["stacks"], meta_fields=["fingerprint"])
+                   data_fields=["stacks"],
+                   meta_fields=["fingerprint", "host"])
 @dataclasses.dataclass(frozen=True)
 class CollectionState:
   """Everything a collection trains: stack name -> StackState.
 
   `fingerprint` (static) names the plan the state was made for
   (`CollectionPlan.fingerprint`); None for a state built by hand, which is
-  checked by its stack names and shapes only.
+  checked by its stack names and shapes only. `host` (static, compared by
+  identity) is the `host_tier.HostTier` holding the host-tier stacks' rows
+  in host memory, None without such stacks: the state's caches and maps
+  follow it, so a state is used once (`coll.prefetch` and every step
+  donate it).
   """
   stacks: dict[str, StackState]
   fingerprint: str | None = None
+  host: Any = None
 
 
 @functools.partial(jax.tree_util.register_dataclass,
@@ -115,6 +129,8 @@ def check_servable(plan, tables, dtype: str) -> None:
   hold (`quantize.unservable_rows`); nothing if there is none."""
   found = []
   for stack in plan.stacks:
+    if stack.name not in tables:  # a host-tier stack: checked by chunks
+      continue
     rows = quantize.unservable_rows(tables[stack.name], dtype)
     if not rows:
       continue
@@ -149,9 +165,11 @@ def route_maps(plan, state: CollectionState | None) -> tuple:
 
 
 def without_slot_maps(parts) -> tuple:
-  """Stack states or routings (or their specs) without their slot maps."""
-  return tuple(p._replace(slot_map=None) if hasattr(p, "slot_map") else p
-               for p in parts)
+  """Stack states or routings (or their specs) without their slot maps (and
+  a stack state without its cache map)."""
+  return tuple(p._replace(**{f: None for f in ("slot_map", "cache_map")
+                             if hasattr(p, f)})
+               if hasattr(p, "slot_map") else p for p in parts)
 
 
 def move_slot_maps(state: CollectionState, routing: Routing
@@ -201,6 +219,26 @@ def check_state(plan, state, backend: str) -> None:
           f"{np.dtype(table.dtype).name}{list(table.shape)}; the plan says "
           f"{stack.dtype.name}{list(shape)}{bits}.")
     _check_slot_map(stack, state.stacks[stack.name].slot_map)
+    _check_cache_map(stack, state.stacks[stack.name].cache_map, state.host)
+
+
+def _check_cache_map(stack, cache_map, host) -> None:
+  """A host-tier stack has its cache map and host store; no other does."""
+  got = (None if cache_map is None else
+         f"{np.dtype(cache_map.dtype).name}{list(cache_map.shape)}")
+  want = f"int32[{stack.logical_rows}]" if stack.host else None
+  if got != want:
+    raise InputError(
+        f"pallas_emb collection state {stack.name} cache_map is {got}; the "
+        f"plan says {want}"
+        f"{' (a host-tier stack)' if stack.host else ''}. Pass the state "
+        "this collection returned.")
+  if stack.host and (host is None or stack.name not in host.stacks):
+    raise InputError(
+        f"pallas_emb collection state has no host store of host-tier stack "
+        f"{stack.name}; pass the state coll.init or coll.state_from_arrays "
+        "returned (a host-tier state cannot be built from its device "
+        "arrays alone).")
 
 
 def _check_slot_map(stack, slot_map) -> None:

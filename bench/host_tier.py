@@ -1,0 +1,291 @@
+"""A host-tier table against a table held on the device, one device.
+
+    python -m bench.host_tier                     # 100M x 64 f32, the chip
+    python -m bench.host_tier --rows=200000 --cache_rows=20000 \\
+        --compare_device_rows=20000 --ids=1024 --steps=10   # a CPU, quickly
+
+On one TPU v5e (16 GB of chip memory, 40 GB of host memory) the defaults
+are the measurement docs/host_tier.md reports: a 100M x 64 f32 table
+(25.6 GB, more than the chip) with row-wise Adagrad, its rows and state in
+host memory and a cache of `--cache_rows` rows on the chip, trained by the
+pipelined Trainer on Zipf(`--zipf`) ids as `--ids` bags of `--bag` ids
+and as `--ids` sequence ids (`--bag=20,0`, one configuration each):
+
+    python -m bench.host_tier --json_out=host_tier_v5e.json
+
+Per configuration it prints and records:
+
+  host        the step time of the host-tier table (wall time of
+              `--steps` pipelined steps after `--warmup`, divided by the
+              steps), the step time with each step waited for (no
+              overlap of host work and device work), the host seconds of
+              the prefetch per step, the cache hit rate (distinct rows and
+              ids) and the bytes per step to the device and back; and the
+              overlap, from timestamps: for each step t, when the call of
+              step t+1 began (its prefetch first) against when step t's
+              loss was ready on the device (a thread waits for each), so
+              `overlap_s` is how long the next prefetch ran while the
+              device still ran the step
+  device      the same workload on a table of `--compare_device_rows` rows
+              held on the device (ids Zipf over its rows), same Trainer
+  link        the host -> device and device -> host rates measured by
+              `jax.device_put` / `np.asarray` of a `--link_mb` MB buffer
+  gathers     the two ways to bring the misses of a step to the device,
+              on a `--memory_kinds_rows`-row table: a numpy gather in host
+              memory + `device_put` (what the host tier does) against a
+              gather inside `jit` from a `pinned_host` array (JAX memory
+              kinds), each timed, or the error the platform gives
+
+The host table is filled in chunks (`host_tier.init_table`, no second
+copy), its initializer a constant (the values do not change the time).
+"""
+
+from __future__ import annotations
+
+import json
+import queue
+import statistics
+import threading
+import time
+
+from absl import app
+from absl import flags
+
+_ROWS = flags.DEFINE_integer("rows", 100_000_000, "Rows of the host table.")
+_WIDTH = flags.DEFINE_integer("width", 64, "Columns (f32).")
+_IDS = flags.DEFINE_integer("ids", 16384,
+                            "Bags (or sequence ids) per step.")
+_BAG = flags.DEFINE_list("bag", ["20", "0"],
+                         "Ids per bag, one configuration each (0: a "
+                         "sequence feature of --ids ids).")
+_CACHE = flags.DEFINE_integer("cache_rows", 8 * 2**20,
+                              "Rows of the device cache.")
+_POLICY = flags.DEFINE_enum("policy", "lru", ["lru", "lfu"],
+                            "Cache policy.")
+_ZIPF = flags.DEFINE_float("zipf", 1.05, "Zipf exponent of the ids.")
+_STEPS = flags.DEFINE_integer("steps", 20, "Timed steps.")
+_WARMUP = flags.DEFINE_integer("warmup", 5,
+                               "Untimed steps first (compiles, fills the "
+                               "cache).")
+_DEVICE_ROWS = flags.DEFINE_integer(
+    "compare_device_rows", 10_000_000,
+    "Rows of the device-held table of the comparison (0: none).")
+_LINK_MB = flags.DEFINE_integer("link_mb", 256,
+                                "MB of the buffer the link rate moves.")
+_MK_ROWS = flags.DEFINE_integer(
+    "memory_kinds_rows", 1_000_000,
+    "Rows of the table of the gather comparison (0: none).")
+_JSON_OUT = flags.DEFINE_string("json_out", None, "Write the results here.")
+
+
+def _batches(np, datasets, rows, ids, bag, count, zipf, seed):
+  """`count` batches `{"f": ids}` of Zipf ids in [0, rows) (one draw: the
+  same hot ids in every batch)."""
+  rng = np.random.default_rng(seed)
+  shape = (ids, bag) if bag else (ids,)
+  per = int(np.prod(shape))
+  drawn = datasets.zipf_ids(rng, rows, per * count, zipf) - 1
+  return [{"f": drawn[i * per:(i + 1) * per].reshape(shape)}
+          for i in range(count)]
+
+
+def _run(pe, jax, jnp, np, optax, rows, bag, batches, host, steps, warmup):
+  """Times `steps` pipelined steps (after `warmup`) of a one-table
+  collection: the host tier (`host`: cache rows) or a device table."""
+  mesh = jax.make_mesh((1,), ("x",))
+  extra = dict(storage="host", cache_rows=host,
+               cache_policy=_POLICY.value) if host else {}
+  table = pe.TableSpec("t", rows, _WIDTH.value,
+                       optimizer=pe.RowwiseAdagrad(0.01),
+                       initializer=jax.nn.initializers.constant(0.01),
+                       **extra)
+  coll = pe.EmbeddingCollection(
+      [table], [pe.FeatureSpec("f", "t", combiner="sum" if bag else None)],
+      mesh, "x")
+
+  def loss_fn(params, emb, batch):
+    del batch
+    return jnp.mean((emb["f"] @ params["w"]) ** 2), ()
+
+  trainer = pe.Trainer(coll, loss_fn, optax.sgd(0.01))
+  state = trainer.init(coll.init(jax.random.key(0)),
+                       {"w": jnp.full((_WIDTH.value, 1), 0.1)}, batches[0])
+  step = trainer.step if host else jax.jit(trainer.step, donate_argnums=0)
+  cache, t = [], 0
+  calls, ready = [], []  # per step: when its call began; when its loss was
+
+  def watch(losses):
+    while (loss := losses.get()) is not None:
+      jax.block_until_ready(loss)
+      ready.append(time.perf_counter())
+
+  def run(n, wait):
+    nonlocal state, t
+    jax.block_until_ready(state)
+    calls.clear()
+    ready.clear()
+    losses = queue.Queue()
+    watcher = threading.Thread(target=watch, args=(losses,))
+    watcher.start()
+    start = time.perf_counter()
+    for _ in range(n):
+      calls.append(time.perf_counter())
+      state, metrics = step(state, batches[t % len(batches)],
+                            batches[(t + 1) % len(batches)])
+      losses.put(metrics.loss)
+      t += 1
+      if metrics.cache:
+        cache.append(metrics.cache["t"])
+      if wait:
+        jax.block_until_ready(state)
+    jax.block_until_ready(state)
+    seconds = (time.perf_counter() - start) / max(n, 1)
+    losses.put(None)
+    watcher.join()
+    return seconds
+
+  run(warmup, False)
+  cache.clear()
+  out = {"step_s": run(steps, False)}
+  # How long the call of step t+1 (its prefetch first) ran before step t's
+  # loss was ready: host work overlapping the device's (at most the
+  # prefetch; all of it for a device table, which has none).
+  prefetch = [c.seconds for c in cache[1:]] if host else [float("inf")] * (
+      len(calls) - 1)
+  overlap = [min(p, max(0.0, r - c))
+             for c, r, p in zip(calls[1:], ready[:-1], prefetch)]
+  out["overlap_s"] = statistics.median(overlap) if overlap else 0.0
+  out["overlapped_steps"] = sum(o > 0 for o in overlap)
+  if host:
+    out["step_waited_s"] = run(steps, True)
+    out["prefetch_s"] = statistics.median(c.seconds for c in cache)
+    for field in ("rows", "fetched", "evicted", "written_back",
+                  "bytes_to_device", "bytes_to_host"):
+      out[field + "_per_step"] = statistics.mean(getattr(c, field)
+                                                 for c in cache)
+    out["hit_rate"] = (sum(c.hits for c in cache)
+                       / max(1, sum(c.rows for c in cache)))
+    out["id_hit_rate"] = (sum(c.id_hits for c in cache)
+                          / max(1, sum(c.ids for c in cache)))
+    out["plan"] = coll.plan.describe()
+  del state
+  return out
+
+
+def _link(jax, np, mb):
+  """Host -> device and device -> host GB/s of a `mb` MB buffer."""
+  x = np.ones(mb * 2**20 // 4, np.float32)
+  device = jax.devices()[0]
+  jax.block_until_ready(jax.device_put(x[:1024], device))
+  start = time.perf_counter()
+  y = jax.block_until_ready(jax.device_put(x, device))
+  to_device = x.nbytes / (time.perf_counter() - start) / 1e9
+  start = time.perf_counter()
+  np.asarray(y)
+  to_host = x.nbytes / (time.perf_counter() - start) / 1e9
+  return {"bytes": x.nbytes, "to_device_gbps": to_device,
+          "to_host_gbps": to_host}
+
+
+def _gathers(jax, np, rows, misses):
+  """Seconds to bring `misses` rows of a `rows`-row table to the device:
+  numpy gather + device_put, and a jitted gather from `pinned_host`."""
+  table = np.ones((rows, _WIDTH.value), np.float32)
+  idx = np.random.default_rng(0).integers(0, rows, misses).astype(np.int32)
+  device = jax.devices()[0]
+  sharding = jax.sharding.SingleDeviceSharding(device)
+
+  def timed(fn):
+    jax.block_until_ready(fn())
+    times = []
+    for _ in range(5):
+      start = time.perf_counter()
+      jax.block_until_ready(fn())
+      times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+  out = {"rows": rows, "misses": misses,
+         "numpy_device_put_s": timed(
+             lambda: jax.device_put(table[idx], device))}
+  try:
+    pinned = sharding.with_memory_kind("pinned_host")
+    host_table = jax.device_put(table, pinned)
+    host_idx = jax.device_put(idx, pinned)
+    gather = jax.jit(lambda t, i: t[i])
+    to_device = lambda: jax.device_put(gather(host_table, host_idx),
+                                       sharding.with_memory_kind("device"))
+    out["pinned_host_gather_s"] = timed(to_device)
+  except Exception as e:  # pylint: disable=broad-except
+    out["pinned_host_gather_error"] = f"{type(e).__name__}: {e}"[:300]
+  return out
+
+
+def main(argv):
+  del argv
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  import optax  # pylint: disable=g-import-not-at-top
+  import pallas_emb as pe  # pylint: disable=g-import-not-at-top
+  from pallas_emb import datasets  # pylint: disable=g-import-not-at-top
+
+  device = jax.devices()[0]
+  doc = {"what": "bench.host_tier", "device": str(device.device_kind),
+         "platform": device.platform, "jax": jax.__version__,
+         "rows": _ROWS.value, "width": _WIDTH.value, "ids": _IDS.value,
+         "cache_rows": _CACHE.value, "policy": _POLICY.value,
+         "zipf": _ZIPF.value, "steps": _STEPS.value,
+         "compare_device_rows": _DEVICE_ROWS.value, "results": []}
+  doc["link"] = _link(jax, np, _LINK_MB.value)
+  print(f"{device.platform} {device.device_kind}: host -> device "
+        f"{doc['link']['to_device_gbps']:.2f} GB/s, device -> host "
+        f"{doc['link']['to_host_gbps']:.2f} GB/s ({_LINK_MB.value} MB)")
+  count = _WARMUP.value + 2 * _STEPS.value + 1
+  for bag in map(int, _BAG.value):
+    what = f"{_IDS.value} bags of {bag}" if bag else (
+        f"{_IDS.value} sequence ids")
+    batches = _batches(np, datasets, _ROWS.value, _IDS.value, bag, count,
+                       _ZIPF.value, 1)
+    record = {"bag": bag, "what": what}
+    record["host"] = _run(pe, jax, jnp, np, optax, _ROWS.value, bag,
+                          batches, _CACHE.value, _STEPS.value, _WARMUP.value)
+    del batches
+    h = record["host"]
+    print(f"{what}: host tier [{_ROWS.value}, {_WIDTH.value}] cache "
+          f"{_CACHE.value} ({_POLICY.value}): {1e3 * h['step_s']:.1f} ms "
+          f"a step ({1e3 * h['step_waited_s']:.1f} ms waited for, prefetch "
+          f"{1e3 * h['prefetch_s']:.1f} ms on the host, of which "
+          f"{1e3 * h['overlap_s']:.1f} ms while the previous step ran: "
+          f"{h['overlapped_steps']} of {_STEPS.value - 1} steps); hit rate "
+          f"{h['hit_rate']:.3f} of distinct rows, {h['id_hit_rate']:.3f} of "
+          f"ids; {h['bytes_to_device_per_step'] / 1e6:.2f} MB to the device "
+          f"and {h['bytes_to_host_per_step'] / 1e6:.2f} MB back per step")
+    if _DEVICE_ROWS.value:
+      batches = _batches(np, datasets, _DEVICE_ROWS.value, _IDS.value, bag,
+                         count, _ZIPF.value, 1)
+      record["device"] = _run(pe, jax, jnp, np, optax, _DEVICE_ROWS.value,
+                              bag, batches, 0, _STEPS.value, _WARMUP.value)
+      del batches
+      d = record["device"]
+      record["host_over_device"] = h["step_s"] / d["step_s"]
+      print(f"{'':>4}device table [{_DEVICE_ROWS.value}, {_WIDTH.value}]: "
+            f"{1e3 * d['step_s']:.1f} ms a step; host tier / device "
+            f"{record['host_over_device']:.2f}x")
+    if _MK_ROWS.value:
+      misses = max(1, int(h["fetched_per_step"]))
+      record["gathers"] = _gathers(jax, np, _MK_ROWS.value, misses)
+      g = record["gathers"]
+      pinned = (f"{1e3 * g['pinned_host_gather_s']:.2f} ms"
+                if "pinned_host_gather_s" in g else
+                g["pinned_host_gather_error"])
+      print(f"{'':>4}{misses} misses from a {_MK_ROWS.value}-row table: "
+            f"numpy + device_put {1e3 * g['numpy_device_put_s']:.2f} ms, "
+            f"pinned_host gather in jit: {pinned}")
+    doc["results"].append(record)
+    if _JSON_OUT.value:
+      with open(_JSON_OUT.value, "w") as f:
+        json.dump(doc, f, indent=1)
+
+
+if __name__ == "__main__":
+  app.run(main)

@@ -1,0 +1,629 @@
+"""Host-tier tables: rows in host memory, a row cache on the devices.
+
+A table with `TableSpec(storage="host", cache_rows=C)` is a stack of its
+own (`stacking.py`). Its rows and every optimizer slot's rows live in host
+memory as numpy arrays of the logical shape (`HostStack.table`,
+`HostStack.slots`); the devices hold a cache of C rows of each, laid out
+like a stack of C rows of the table's placement (a row-placed cache gives
+every rank `ceil(C / W)` slots for rows `g % W == rank`), and a cache map:
+int32 `[vocab_rows]`, each row's cache row or -1, on every rank. The step
+counter is the device state's, as for any stack.
+
+Between steps, `HostTier.prefetch` makes a batch's rows resident
+(docs/host_tier.md):
+
+  rows      the batch's distinct rows, by the step's own key rule
+            (`stack.entry_keys`; its numpy twin `host_keys`), split per
+            rank for a row-placed table
+  directory `row_cache.RowCache` per rank part: hits, misses, evictions by
+            the table's policy; rows of the batches still in flight are
+            pinned (never evicted)
+  one swap  ONE jitted program per table and prefetch: reads the evicted
+            rows that changed (for host memory), writes the misses (from
+            host memory) into their slots and updates the cache map; its
+            inputs are put on the devices asynchronously and its
+            write-back outputs copied to the host asynchronously, so the
+            host's work and the transfers overlap the step in flight
+
+An evicted row is copied into host memory (`_finish_write_backs`) before
+the next prefetch reads host memory, so a row that comes back reads its
+latest values. The step itself translates each entry's logical row to its
+cache row through the map (`per_rank.cache_keys`), after the id rules, so
+the dedup, the gather and the update run on cache rows as on any stack.
+
+Every read and write of a cache row goes through `read_rows` and
+`write_rows` (per rank, on the rank's shard), the one place that knows how
+a cache array stores its rows.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+import time
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from pallas_emb import inputs as inputs_lib
+from pallas_emb import placement as placement_lib
+from pallas_emb import quantize as quantize_lib
+from pallas_emb import validation
+from pallas_emb.errors import InputError
+from pallas_emb.row_cache import RowCache
+from pallas_emb.specs import Bag
+from pallas_emb.state import CollectionState
+from pallas_emb.state import StackState
+
+# Host arrays are filled, quantized and checked in chunks of about this
+# many bytes (a 25.6 GB table never needs a second copy).
+CHUNK_BYTES = 1 << 28
+# Transfers are padded to a power of two of rows (at least this many), so
+# a table's swap program compiles once per size class, not per batch.
+MIN_TRANSFER_ROWS = 8
+
+
+class CacheStats(NamedTuple):
+  """One host-tier table's cache in one prefetch (host ints).
+
+  rows: distinct rows the batch reads; hits: of them, those the cache held;
+  ids, id_hits: the same counted per id (a hot row once per id reading
+  it); fetched: rows brought from host memory (`rows - hits`); evicted:
+  rows that left the cache; written_back: evicted rows that had changed,
+  copied back to host memory; bytes_to_device / bytes_to_host: what
+  crossed the host link (every device's share, padding included);
+  seconds: host time of the prefetch.
+  """
+  rows: int
+  hits: int
+  ids: int
+  id_hits: int
+  fetched: int
+  evicted: int
+  written_back: int
+  bytes_to_device: int
+  bytes_to_host: int
+  seconds: float
+
+  @property
+  def hit_rate(self) -> float:
+    """Of the batch's distinct rows, the fraction already cached."""
+    return self.hits / self.rows if self.rows else 1.0
+
+  @property
+  def id_hit_rate(self) -> float:
+    """Of the batch's ids, the fraction whose row was already cached."""
+    return self.id_hits / self.ids if self.ids else 1.0
+
+
+# --- the cache's rows on a rank ----------------------------------------------
+
+
+def read_rows(array: jax.Array, slots: jax.Array) -> jax.Array:
+  """Rows `slots` of a rank's shard of a cache array (table or state)."""
+  return jnp.take(array, slots, axis=0)
+
+
+def write_rows(array: jax.Array, slots: jax.Array,
+               values: jax.Array) -> jax.Array:
+  """`array` with rows `slots` set to `values` (a slot past the shard's
+  rows is dropped: padding)."""
+  return array.at[slots].set(values.astype(array.dtype), mode="drop")
+
+
+def _swap(arrays, cache_map, read_slots, write_slots, values, map_rows,
+          map_values):
+  """One rank's part of a prefetch: the evicted rows read, the fetched rows
+  written, the map updated (the reads see the arrays before the writes)."""
+  read = tuple(read_rows(a, read_slots) for a in arrays)
+  arrays = tuple(write_rows(a, write_slots, v)
+                 for a, v in zip(arrays, values))
+  return arrays, cache_map.at[map_rows].set(map_values, mode="drop"), read
+
+
+def _bucket(n: int) -> int:
+  return max(MIN_TRANSFER_ROWS, 1 << max(0, int(n) - 1).bit_length())
+
+
+def _padded(parts, size, fill, dtype=None):
+  """Per part arrays `[k_r, ...]` padded with `fill` to `size` rows each,
+  concatenated."""
+  parts = [np.asarray(x, dtype) for x in parts]
+  out = np.full((len(parts) * size,) + parts[0].shape[1:], fill,
+                parts[0].dtype)
+  for r, x in enumerate(parts):
+    out[r * size:r * size + x.shape[0]] = x
+  return out
+
+
+def _gathered(parts, rows, size) -> np.ndarray:
+  """`parts[r][rows[r]]` for every part r, each padded with zeros to `size`
+  rows, concatenated: gathered straight into the transfer buffer."""
+  out = np.zeros((len(parts) * size,) + parts[0].shape[1:], parts[0].dtype)
+  for r, (part, local) in enumerate(zip(parts, rows)):
+    np.take(part, local, axis=0, out=out[r * size:r * size + local.size])
+  return out
+
+
+# --- one host-tier table -----------------------------------------------------
+
+
+class HostStack:
+  """A host-tier stack's host memory, cache directories and programs.
+
+  `table` `[vocab_rows, emb_width]` (the table's dtype) and `slots`
+  (`{slot: [vocab_rows] or [vocab_rows, emb_width]}`) are the logical
+  arrays; a row-placed table's rank r owns rows `r, r + W, ...` (local row
+  `g // W`), its part the strided view `array[r::W]`.
+  """
+
+  def __init__(self, coll, stack, table: np.ndarray,
+               slots: dict[str, np.ndarray]):
+    self.stack = stack
+    self.name = stack.tables[0]
+    self.mesh = coll.mesh
+    self.table, self.slots = table, slots
+    self.parts = stack.ranks if stack.placement == "row" else 1
+    self.slot_names = tuple(slots)
+    self.caches = [RowCache(stack.local_rows, len(range(r, table.shape[0],
+                                                        self.parts)),
+                            stack.cache_policy) for r in range(self.parts)]
+    # Per prefetched batch (newest last), each part's slots of its rows.
+    self.recent = collections.deque(maxlen=3)
+    self._pending = []  # write-backs on their way to host memory
+    axis = coll.table_axis
+    self._part_spec = P(axis) if self.parts > 1 else P()
+    specs = placement_lib.state_specs(stack, axis)
+    self._specs = (placement_lib.table_spec(stack, axis),) + tuple(
+        getattr(specs, n) for n in self.slot_names)
+    self._storage = placement_lib.storage_dtype(stack, coll.backend)
+    shard = functools.partial(jax.shard_map, mesh=self.mesh, check_vma=False)
+    self._swap = jax.jit(shard(
+        _swap, in_specs=(self._specs, P(), self._part_spec, self._part_spec,
+                         self._specs, P(), P()),
+        out_specs=(self._specs, P(), self._specs)), donate_argnums=(0, 1))
+    self._read = jax.jit(shard(
+        lambda arrays, slots: tuple(read_rows(a, slots) for a in arrays),
+        in_specs=(self._specs, self._part_spec), out_specs=self._specs))
+
+  # --- views ---------------------------------------------------------------
+
+  def _host_arrays(self):
+    return (self.table,) + tuple(self.slots[n] for n in self.slot_names)
+
+  def _part(self, array: np.ndarray, r: int) -> np.ndarray:
+    return array[r::self.parts] if self.parts > 1 else array
+
+  def _global_rows(self, local: np.ndarray, r: int) -> np.ndarray:
+    return local.astype(np.int64) * self.parts + r
+
+  def _cache_rows(self, slots: np.ndarray, r: int) -> np.ndarray:
+    """The cache map's value of a slot of part r: its stacked cache row."""
+    return (slots.astype(np.int64) * self.parts + r).astype(np.int32)
+
+  def _device_arrays(self, state: StackState):
+    return (state.table,) + tuple(getattr(state.opt_state, n)
+                                  for n in self.slot_names)
+
+  def _with_arrays(self, state: StackState, arrays, cache_map) -> StackState:
+    opt_state = state.opt_state
+    if self.slot_names:
+      opt_state = opt_state._replace(**dict(zip(self.slot_names,
+                                                arrays[1:])))
+    return StackState(arrays[0], opt_state, state.slot_map, cache_map)
+
+  def split(self, rows: np.ndarray):
+    """Logical rows -> per part `(index into rows, local rows)`."""
+    if self.parts == 1:
+      return [(np.arange(rows.size), rows)]
+    owner = rows % self.parts
+    return [(np.flatnonzero(owner == r), rows[owner == r] // self.parts)
+            for r in range(self.parts)]
+
+  # --- prefetch ------------------------------------------------------------
+
+  def prefetch(self, state: StackState, rows, counts, trains,
+               in_flight: int, train: bool = True):
+    """`(state, CacheStats)`: the distinct logical `rows` of a batch
+    resident, the rows of the `in_flight` training batches prefetched
+    before it kept (their slots are still to be read or updated). A batch
+    that is not trained (`train=False`) marks no row changed and does not
+    count as in flight."""
+    start = time.perf_counter()
+    self._finish_write_backs()
+    parts = self.split(rows)
+    recent = list(self.recent)[len(self.recent) - in_flight:] if (
+        in_flight) else []
+    pinned = [np.concatenate([b[r] for b in recent] + [
+        np.zeros(0, np.int32)]) for r in range(self.parts)]
+    for r, (_, local) in enumerate(parts):
+      needed = self.caches[r].needed(local, pinned[r])
+      if needed > self.stack.local_rows:
+        where = (f" on rank {r}, whose part of the row-placed cache holds "
+                 f"ceil(cache_rows / {self.parts}) = {self.stack.local_rows}"
+                 if self.parts > 1 else
+                 f", which holds cache_rows={self.stack.cache_rows}")
+        raise InputError(
+            f"pallas_emb host-tier table {self.name!r} needs {needed} rows "
+            f"in its device cache at once (this batch's distinct rows and "
+            f"those of the {len(recent)} batches still in flight){where}. "
+            f"Raise cache_rows to at least {needed * self.parts}, or use "
+            "smaller batches.")
+    hit = np.zeros(rows.size, bool)
+    for r, (idx, local) in enumerate(parts):
+      hit[idx] = self.caches[r].slots_of(local) >= 0
+    admitted = [self.caches[r].admit(local, counts[idx],
+                                     trains[idx] & train, pinned[r])
+                for r, (idx, local) in enumerate(parts)]
+    if train:
+      self.recent.append([a.slots for a in admitted])
+    stats = dict(rows=int(rows.size), hits=sum(a.hits for a in admitted),
+                 ids=int(counts.sum()), id_hits=int(counts[hit].sum()),
+                 fetched=sum(a.fetch_rows.size for a in admitted),
+                 evicted=sum(a.evict_rows.size for a in admitted),
+                 written_back=sum(int(a.dirty.sum()) for a in admitted))
+    moved = stats["fetched"] or stats["evicted"]
+    to_device = to_host = 0
+    if moved:
+      state, to_device, to_host = self._dispatch_swap(state, admitted)
+    return state, CacheStats(**stats, bytes_to_device=to_device,
+                             bytes_to_host=to_host,
+                             seconds=time.perf_counter() - start)
+
+  def _dispatch_swap(self, state: StackState, admitted):
+    slots_per_part = self.stack.local_rows
+    dirty = [(a.evict_slots[a.dirty], a.evict_rows[a.dirty])
+             for a in admitted]
+    n = _bucket(max(max(s.size for s, _ in dirty),
+                    max(a.fetch_slots.size for a in admitted)))
+    read_slots = _padded([s for s, _ in dirty], n, 0, np.int32)
+    write_slots = _padded([a.fetch_slots for a in admitted], n,
+                          slots_per_part, np.int32)
+    values = []
+    for i, array in enumerate(self._host_arrays()):
+      host = _gathered([self._part(array, r) for r in range(self.parts)],
+                       [a.fetch_rows for a in admitted], n)
+      values.append(host.view(self._storage) if i == 0 else host)
+    map_rows = np.concatenate(
+        [self._global_rows(a.evict_rows, r) for r, a in enumerate(admitted)]
+        + [self._global_rows(a.fetch_rows, r) for r, a in enumerate(admitted)])
+    map_values = np.concatenate(
+        [np.full(a.evict_rows.size, -1, np.int32) for a in admitted]
+        + [self._cache_rows(a.fetch_slots, r)
+           for r, a in enumerate(admitted)])
+    m = _bucket(map_rows.size)
+    map_rows = _padded([map_rows], m, self.table.shape[0], np.int32)
+    map_values = _padded([map_values], m, -1, np.int32)
+    put = lambda x, spec: jax.device_put(x, NamedSharding(self.mesh, spec))
+    values = tuple(put(v, s) for v, s in zip(values, self._specs))
+    index = (put(read_slots, self._part_spec),
+             put(write_slots, self._part_spec), put(map_rows, P()),
+             put(map_values, P()))
+    arrays, cache_map, read = self._swap(
+        self._device_arrays(state), state.cache_map, index[0], index[1],
+        values, index[2], index[3])
+    to_host = 0
+    if any(s.size for s, _ in dirty):
+      for x in read:
+        x.copy_to_host_async()
+      self._pending.append(([rows for _, rows in dirty], n, read))
+      to_host = sum(x.nbytes for x in read)
+    to_device = sum(_transferred(x) for x in values + index)
+    return self._with_arrays(state, arrays, cache_map), to_device, to_host
+
+  def _finish_write_backs(self) -> None:
+    """Copies every evicted row on its way back into host memory."""
+    for rows, n, read in self._pending:
+      self._to_host_memory(rows, n, read)
+    self._pending.clear()
+
+  def _to_host_memory(self, rows, n: int, read) -> None:
+    """Rows read from the cache (`read`: per array, `n` rows per part)
+    into host memory at each part's local `rows`."""
+    for i, (array, values) in enumerate(zip(self._host_arrays(), read)):
+      values = np.asarray(values)
+      if i == 0:
+        values = values.view(self.table.dtype)
+      for r, local in enumerate(rows):
+        if local.size:
+          self._part(array, r)[local] = values[r * n:r * n + local.size]
+
+  # --- host memory up to date ----------------------------------------------
+
+  def flush(self, state: StackState, in_flight: int) -> None:
+    """Copies every cached row that changed into host memory; the rows of
+    the last `in_flight + 1` prefetched batches stay marked changed (an
+    update of theirs may still come)."""
+    self._finish_write_backs()
+    dirty = [c.dirty_slots() for c in self.caches]
+    if not any(d.size for d in dirty):
+      return
+    n = _bucket(max(d.size for d in dirty))
+    read = self._read(self._device_arrays(state), jax.device_put(
+        _padded(dirty, n, 0, np.int32),
+        NamedSharding(self.mesh, self._part_spec)))
+    self._to_host_memory([c.slot_row[d] for c, d in zip(self.caches, dirty)],
+                         n, read)
+    keep = list(self.recent)[len(self.recent) - (in_flight + 1):]
+    for r, (cache, slots) in enumerate(zip(self.caches, dirty)):
+      cache.clean(np.setdiff1d(slots, np.concatenate(
+          [b[r] for b in keep] + [np.zeros(0, np.int32)])))
+
+  def check_cached(self, rows: np.ndarray, what: str) -> None:
+    for r, (_, local) in enumerate(self.split(rows)):
+      missing = np.count_nonzero(self.caches[r].slots_of(local) < 0)
+      if missing:
+        raise InputError(
+            f"pallas_emb {what}: {missing} rows of host-tier table "
+            f"{self.name!r} that the batch reads are not in its device "
+            "cache; call `state, _ = coll.prefetch(state, batch)` first "
+            "(the Trainer does).")
+
+
+def _transferred(x: jax.Array) -> int:
+  """Bytes putting `x` on its devices moved (every copy counted)."""
+  sharding = x.sharding
+  shard = int(np.prod(sharding.shard_shape(x.shape), dtype=np.int64))
+  return shard * len(sharding.device_set) * x.dtype.itemsize
+
+
+# --- every host-tier table of a collection ------------------------------------
+
+
+class HostTier:
+  """The host-tier stacks of one collection state (`CollectionState.host`).
+
+  `in_flight`: how many batches prefetched before a new one keep their rows
+  in the cache by default (their update is still to come): 0 for a
+  synchronous loop; the pipelined Trainer sets 2.
+  """
+
+  def __init__(self, stacks: dict[str, HostStack]):
+    self.stacks = stacks
+    self.in_flight = 0
+
+  def prefetch(self, state, rows, in_flight: int | None = None,
+               train: bool = True):
+    """`(state, {table: CacheStats})` with each host-tier table's batch
+    rows (`batch_rows`) resident."""
+    in_flight = self.in_flight if in_flight is None else in_flight
+    if not isinstance(in_flight, int) or not 0 <= in_flight <= 2:
+      raise InputError(f"pallas_emb prefetch in_flight={in_flight!r}; "
+                       "expected 0, 1 or 2 batches still in flight.")
+    stacks, stats = dict(state.stacks), {}
+    for name, host in self.stacks.items():
+      stacks[name], stats[host.name] = host.prefetch(
+          state.stacks[name], *rows[name], in_flight, train)
+    return _replace_stacks(state, stacks), stats
+
+  def flush(self, state) -> None:
+    for name, host in self.stacks.items():
+      host.flush(state.stacks[name], self.in_flight)
+
+
+def _replace_stacks(state, stacks):
+  return CollectionState(stacks, state.fingerprint, state.host)
+
+
+# --- reading a batch on the host ---------------------------------------------
+
+
+def host_keys(ids: np.ndarray, vocab_rows: int, padding_id) -> np.ndarray:
+  """`stack.entry_keys` of one table's ids (weights not read), in numpy.
+
+  The host reads a batch while the devices run the step before; on a CPU
+  platform a jitted `entry_keys` would queue behind that step on the same
+  device, so the prefetch runs the same rule in numpy
+  (`tests/host_tier_test.py` holds the two equal on every edge case).
+  """
+  x = ids.reshape(-1).astype(np.int64)
+  wrapped = np.where(x < 0, x + vocab_rows, x)
+  row = np.clip(wrapped, 0, vocab_rows - 1)
+  trains = (wrapped >= 0) & (wrapped < vocab_rows)
+  if padding_id is not None:
+    trains &= x != padding_id
+  return np.where(trains, row, ~row)
+
+
+def _host_ids(ids, what: str) -> np.ndarray:
+  """A feature's ids as host int32 (`validation.as_ids`' checks)."""
+  if isinstance(ids, np.ndarray) and ids.dtype == np.int32:
+    return ids
+  with jax.default_device(_cpu()):
+    return np.asarray(validation.as_ids(ids, what))
+
+
+def _cpu():
+  return jax.devices("cpu")[0]
+
+
+def batch_rows(coll, batch) -> dict[str, tuple[np.ndarray, ...]]:
+  """Host-side: per host-tier stack, `(rows, counts, trains)`: the distinct
+  logical rows its features' ids read (`stack.entry_keys`' rule: wrap once,
+  clamp), the ids reading each, and whether some id trains it (inside its
+  table, not padding; weights are not read, so a row of weight-0 entries
+  counts as trained: at worst it is copied back unchanged)."""
+  inputs_lib.check_per_feature(coll.features, batch, "batch", "ids",
+                               "Give every feature's ids.")
+  out = {}
+  for stack in coll.plan.stacks:
+    if not stack.host:
+      continue
+    spec = coll.tables[stack.tables[0]]
+    keys = []
+    for name in stack.features:
+      value = batch[name]
+      ids = _host_ids(value.ids if isinstance(value, Bag) else value,
+                      f"batch[{name!r}]")
+      keys.append(host_keys(ids, spec.vocab_rows, spec.padding_id))
+    keys = np.concatenate(keys)
+    # One sort of (row, does not train): a row's first entry says whether
+    # any of its ids trains (a numpy `searchsorted` of every id into the
+    # distinct rows costs 20x more).
+    order = np.sort(np.where(keys < 0, ~keys, keys) * 2 + (keys < 0))
+    starts = np.flatnonzero(np.concatenate(
+        [[True], (order[1:] >> 1) != (order[:-1] >> 1)]))
+    first = order[starts]
+    out[stack.name] = (first >> 1, np.diff(np.append(starts, order.size)),
+                       (first & 1) == 0)
+  return out
+
+
+def check_cached(coll, state, batch, what: str) -> None:
+  """An eager call's batch reads only cached rows (else InputError)."""
+  for name, (rows, _, _) in batch_rows(coll, batch).items():
+    state.host.stacks[name].check_cached(rows, what)
+
+
+# --- building a host-tier state ----------------------------------------------
+
+
+def _chunk_rows(width: int, itemsize: int) -> int:
+  return max(1, CHUNK_BYTES // max(1, width * itemsize))
+
+
+def init_table(spec, key) -> np.ndarray:
+  """A host-tier table from its initializer, chunk by chunk on the host's
+  CPU device: rows `[i c, (i + 1) c)` from `initializer(fold_in(key, i),
+  (c, width))` (chunk 0 from `key` itself, so a table of one chunk gets
+  the device table's values)."""
+  rows, width = spec.vocab_rows, spec.emb_width
+  out = np.empty((rows, width), spec.dtype)
+  step = _chunk_rows(width, spec.dtype.itemsize)
+  # Jitted, as the device table's init (eager ops round differently).
+  init = jax.jit(lambda k, n: spec.initializer(k, (n, width), spec.dtype)
+                 .astype(spec.dtype), static_argnums=1)
+  with jax.default_device(_cpu()):
+    key = jax.device_put(key, _cpu())
+    for i, start in enumerate(range(0, rows, step)):
+      n = min(step, rows - start)
+      out[start:start + n] = np.asarray(
+          init(key if i == 0 else jax.random.fold_in(key, i), n))
+  return out
+
+
+def init_slots(spec) -> dict[str, np.ndarray]:
+  """A host-tier table's optimizer slots at their initial values."""
+  opt = spec.optimizer
+  if opt is None:
+    return {}
+  return {s.name: np.full((spec.vocab_rows,) + (
+      (spec.emb_width,) if s.kind == "element" else ()), s.init, s.dtype)
+          for s in opt.slots()}
+
+
+def empty_cache(coll, stack, step=None) -> StackState:
+  """A host-tier stack's device state: an empty cache, its map all -1, the
+  optimizer's step counter (`step`, else 0)."""
+  sharding = coll.stack_sharding(stack)
+  storage = placement_lib.storage_dtype(stack, coll.backend)
+  table = jax.jit(lambda: jnp.zeros((stack.total_rows, stack.emb_width),
+                                    storage), out_shardings=sharding)()
+  opt_state = placement_lib.fresh_state(stack, coll.mesh, coll.table_axis)
+  if opt_state is not None and step is not None:
+    # A copy: the state is donated, the given step may live on elsewhere.
+    opt_state = opt_state._replace(step=jax.device_put(
+        np.array(jax.device_get(step), np.int32),
+        NamedSharding(coll.mesh, P())))
+  cache_map = jax.jit(lambda: jnp.full((stack.logical_rows,), -1, jnp.int32),
+                      out_shardings=NamedSharding(coll.mesh, P()))()
+  slot_map = coll._fresh_map(stack)  # pylint: disable=protected-access
+  return StackState(table, opt_state, slot_map, cache_map)
+
+
+def host_stack(coll, stack, table, opt_state=None, *, copy=True):
+  """`(HostStack, StackState)` of a host-tier stack from its logical table
+  and optimizer state (numpy or jax arrays; None: fresh state). With
+  `copy=False` numpy arrays of the right dtype become the host memory
+  as they are (no second copy of a huge table)."""
+  spec = coll.tables[stack.tables[0]]
+  as_host = lambda x, dtype: (x if not copy and isinstance(x, np.ndarray)
+                              and x.dtype == dtype and x.flags.writeable
+                              else np.array(jax.device_get(x), dtype))
+  table = as_host(table, spec.dtype)
+  if opt_state is None or spec.optimizer is None:
+    slots, step = init_slots(spec), None
+  else:
+    slots = {s.name: as_host(getattr(opt_state, s.name), s.dtype)
+             for s in spec.optimizer.slots()}
+    step = opt_state.step
+  return HostStack(coll, stack, table, slots), empty_cache(coll, stack, step)
+
+
+def collection_state(coll, device_stacks, tables, opt_states=None, *,
+                     copy=True):
+  """A collection state: `device_stacks` (stack name -> StackState) and
+  the host-tier stacks from their logical `tables` (and `opt_states`,
+  stack name -> array; see `host_stack`)."""
+  stacks, hosts = dict(device_stacks), {}
+  for s in coll.plan.stacks:
+    if s.host:
+      hosts[s.name], stacks[s.name] = host_stack(
+          coll, s, tables[s.name], (opt_states or {}).get(s.name), copy=copy)
+  return CollectionState({s.name: stacks[s.name] for s in coll.plan.stacks},
+                         coll.plan.fingerprint, HostTier(hosts))
+
+
+def logical_arrays(coll, state, stack):
+  """`(table, optimizer state)` of a host-tier stack from host memory
+  (flushed first): read-only views of the host arrays, not copies."""
+  host = state.host.stacks[stack.name]
+  host.flush(state.stacks[stack.name], state.host.in_flight)
+  opt = stack.optimizer
+  slots = {n: _read_only(x) for n, x in host.slots.items()}
+  step = None if opt is None else state.stacks[stack.name].opt_state.step
+  # pylint: disable-next=protected-access
+  opt_state = None if opt is None else opt._state(slots, step)
+  return _read_only(host.table), opt_state
+
+
+def _read_only(x: np.ndarray) -> np.ndarray:
+  view = x.view()
+  view.flags.writeable = False
+  return view
+
+
+def quantize(coll, state, stack, dtype: str):
+  """A serving copy of a host-tier stack, quantized chunk by chunk from
+  host memory on the host's CPU device (the same function as a device
+  table's), laid out as a device stack of its rows and put on the
+  devices."""
+  host = state.host.stacks[stack.name]
+  host.flush(state.stacks[stack.name], state.host.in_flight)
+  table = host.table
+  rows, width = table.shape
+  parts = []
+  step = _chunk_rows(width, table.dtype.itemsize)
+  with jax.default_device(_cpu()):
+    for start in range(0, rows, step):
+      chunk = jax.device_put(table[start:start + step], _cpu())
+      try:
+        out = quantize_lib.quantize_rows(chunk, dtype)
+      except InputError as e:
+        raise InputError(f"pallas_emb host-tier table {host.name!r} rows "
+                         f"[{start}, {start + chunk.shape[0]}): {e}") from e
+      parts.append(jax.tree.map(np.asarray, out))
+  joined = jax.tree.map(lambda *x: np.concatenate(x), *parts)
+  serving = dataclasses.replace(stack, cache_rows=0)
+  spec = quantize_lib.serving_spec(coll.stack_sharding(serving).spec, dtype)
+  return jax.tree.map(
+      lambda x, s: jax.device_put(_physical(serving, x),
+                                  NamedSharding(coll.mesh, s)),
+      joined, spec, is_leaf=lambda x: isinstance(x, np.ndarray))
+
+
+def _physical(stack, x: np.ndarray) -> np.ndarray:
+  """`placement.to_physical` of one logical array, in numpy (row
+  placement: rank r's block holds rows r, r + W, ...)."""
+  if stack.placement != "row" or stack.ranks == 1:
+    return x
+  w, local = stack.ranks, stack.local_rows
+  padded = np.zeros((w * local,) + x.shape[1:], x.dtype)
+  padded[:x.shape[0]] = x
+  return padded.reshape((local, w) + x.shape[1:]).swapaxes(0, 1).reshape(
+      padded.shape)
+

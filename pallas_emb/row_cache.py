@@ -1,0 +1,199 @@
+"""Which rows of a host-tier table its device cache holds, and which go.
+
+A `RowCache` is the host's directory of one cache of `slots` rows over a
+table part of `rows` rows (one rank's part for a row-placed table, the
+whole table otherwise): numpy arrays only, no device. `admit` takes one
+batch's distinct rows and says what must move:
+
+  hits      rows already cached keep their slots (their use is recorded)
+  misses    rows to bring from host memory, into free slots
+  evictions when too few slots are free, cached rows that no batch in
+            flight reads (`pinned`) leave, by the policy: "lru" the least
+            recently used first, "lfu" the fewest ids read since they
+            came in (ties: the least recently used)
+
+Evictions come in groups of at least `slots // EVICT_FRACTION` rows (or as
+many as needed), so the O(slots) scan for victims runs once per group, not
+once per batch. An evicted row that a batch trained since it came in is
+*dirty*: the caller copies it back to host memory before anything reads
+it there. LFU counts halve at every eviction pass (older popularity fades)
+and start again from the batch's count when a row comes back in.
+
+`admit` checks before it changes anything: a batch whose rows, with the
+rows pinned by the batches in flight, need more than `slots` slots is a
+`CacheTooSmall` (an `InputError`) and leaves the directory as it was.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+
+from pallas_emb.errors import InputError
+
+POLICIES = ("lru", "lfu")
+# Evict at least this fraction of the slots per pass (see module doc).
+EVICT_FRACTION = 32
+_STAMP_BITS = 32
+
+
+class CacheTooSmall(InputError):
+  """A batch's rows and the rows in flight need more slots than a cache has.
+
+  `needed`: the slots they need; `slots`: the cache's.
+  """
+
+  def __init__(self, message: str, needed: int, slots: int):
+    super().__init__(message)
+    self.needed, self.slots = needed, slots
+
+
+class Admission(NamedTuple):
+  """What one batch changes in one cache (rows are the part's local rows).
+
+  slots: int32, the cache slot of each of the batch's rows (in the order
+    given), after the batch is admitted.
+  hits: how many of the batch's rows were cached already.
+  fetch_rows, fetch_slots: the misses and the free slots they go to.
+  evict_rows, evict_slots: the rows that left and the slots they held.
+  dirty: bool per evicted row, whether a batch trained it since it came in
+    (its values must be copied back to host memory).
+  """
+  slots: np.ndarray
+  hits: int
+  fetch_rows: np.ndarray
+  fetch_slots: np.ndarray
+  evict_rows: np.ndarray
+  evict_slots: np.ndarray
+  dirty: np.ndarray
+
+
+class RowCache:
+  """The directory of one cache of `slots` rows over `rows` rows."""
+
+  def __init__(self, slots: int, rows: int, policy: str = "lru"):
+    if policy not in POLICIES:
+      raise InputError(f"pallas_emb cache policy {policy!r}; expected one of "
+                       f"{POLICIES}.")
+    self.policy = policy
+    self.num_slots = int(slots)
+    self.row_slot = np.full(rows, -1, np.int32)
+    self.slot_row = np.full(slots, -1, np.int32)
+    self.stamp = np.zeros(slots, np.int64)     # the clock at its last use
+    self.count = np.zeros(slots, np.int64)     # LFU: ids read since it came
+    self.dirty = np.zeros(slots, bool)
+    # A stack of free slots, popped from the end: 0, 1, 2, ... first.
+    self._free = np.arange(slots, dtype=np.int32)[::-1].copy()
+    self._num_free = int(slots)
+    self.clock = 0
+
+  @property
+  def cached(self) -> int:
+    """Rows in the cache now."""
+    return self.num_slots - self._num_free
+
+  def slots_of(self, rows: np.ndarray) -> np.ndarray:
+    """int32 cache slot of each row (-1: not cached)."""
+    return self.row_slot[rows]
+
+  def needed(self, rows: np.ndarray, pinned: np.ndarray) -> int:
+    """Slots that `rows` (distinct) and the `pinned` slots need together."""
+    slots = self.row_slot[rows]
+    # A mask over the slots: O(slots), but 15x faster than a sorted union.
+    held = np.zeros(self.num_slots, bool)
+    held[pinned] = True
+    held[slots[slots >= 0]] = True
+    return int(np.count_nonzero(held) + np.count_nonzero(slots < 0))
+
+  def admit(self, rows: np.ndarray, counts: np.ndarray, trains: np.ndarray,
+            pinned: np.ndarray, what: str = "cache") -> Admission:
+    """Makes the distinct `rows` of one batch resident.
+
+    Args:
+      rows: int, the batch's distinct (local) rows.
+      counts: int, ids of the batch that read each row (the LFU count).
+      trains: bool, whether some id of the batch trains each row (it is
+        marked dirty: its update will change it).
+      pinned: int32 slots that batches in flight read (never evicted).
+      what: names the cache in a `CacheTooSmall` message.
+    """
+    rows = np.asarray(rows, np.int64)
+    slots = self.row_slot[rows]
+    hit = slots >= 0
+    misses = rows[~hit]
+    n = misses.size
+    evict_slots = np.zeros(0, np.int32)
+    if n > self._num_free:
+      evict_slots = self._victims(n - self._num_free, slots[hit], pinned,
+                                  rows, what)
+    evict_rows = self.slot_row[evict_slots].astype(np.int64)
+    dirty = self.dirty[evict_slots].copy()
+    # Evictions.
+    self.row_slot[evict_rows] = -1
+    self.slot_row[evict_slots] = -1
+    self.dirty[evict_slots] = False
+    self._push(evict_slots)
+    # Misses into free slots.
+    fetch_slots = self._pop(n)
+    self.row_slot[misses] = fetch_slots
+    self.slot_row[fetch_slots] = misses
+    self.count[fetch_slots] = 0
+    slots = slots.copy()
+    slots[~hit] = fetch_slots
+    # Use, frequency and dirt of every row of the batch.
+    self.stamp[slots] = self.clock
+    self.count[slots] += np.asarray(counts, np.int64)
+    self.dirty[slots[np.asarray(trains, bool)]] = True
+    self.clock += 1
+    return Admission(slots, int(np.count_nonzero(hit)), misses, fetch_slots,
+                     evict_rows, evict_slots, dirty)
+
+  def clean(self, slots: np.ndarray) -> None:
+    """Marks `slots` as copied back to host memory."""
+    self.dirty[slots] = False
+
+  def dirty_slots(self) -> np.ndarray:
+    return np.flatnonzero(self.dirty).astype(np.int32)
+
+  # --- internals -------------------------------------------------------------
+
+  def _victims(self, k: int, hit_slots, pinned, rows, what) -> np.ndarray:
+    """At least `k` slots to evict (a group, see the module doc), none of
+    them pinned or read by the batch; CacheTooSmall if there are fewer."""
+    evictable = self.slot_row >= 0
+    evictable[np.asarray(pinned, np.int64)] = False
+    evictable[hit_slots] = False
+    candidates = np.flatnonzero(evictable)
+    if candidates.size < k:
+      needed = self.needed(rows, pinned)
+      raise CacheTooSmall(
+          f"pallas_emb {what} needs {needed} rows resident at once (this "
+          f"batch's {rows.size} distinct rows and those of the batches in "
+          f"flight) but holds {self.num_slots}; raise cache_rows or use "
+          "smaller batches.", needed, self.num_slots)
+    group = min(candidates.size,
+                max(k, self.num_slots // EVICT_FRACTION))
+    stamp = self.stamp[candidates]
+    if self.policy == "lfu":
+      count = np.minimum(self.count[candidates], 2**(62 - _STAMP_BITS))
+      key = (count << _STAMP_BITS) | (stamp & (2**_STAMP_BITS - 1))
+    else:
+      key = stamp
+    if group < candidates.size:
+      victims = candidates[np.argpartition(key, group - 1)[:group]]
+    else:
+      victims = candidates
+    if self.policy == "lfu":
+      self.count >>= 1  # aging: every eviction pass halves the counts
+    return np.sort(victims).astype(np.int32)
+
+  def _push(self, slots: np.ndarray) -> None:
+    n = slots.size
+    self._free[self._num_free:self._num_free + n] = slots[::-1]
+    self._num_free += n
+
+  def _pop(self, n: int) -> np.ndarray:
+    out = self._free[self._num_free - n:self._num_free][::-1].copy()
+    self._num_free -= n
+    return out

@@ -1,0 +1,484 @@
+"""Host-tier tables against device tables and the numpy model.
+
+A host-tier table (`TableSpec(storage="host")`) keeps its rows in host
+memory and a cache of `cache_rows` of them on the devices. Wherever the
+cache holds the rows of the batches in flight, training must equal the
+same table held on the devices bit for bit: the tests below train both
+side by side on ids with every edge case (negative, past the end, int32
+extremes, padding, weight 0), with caches small enough that every step
+evicts rows (and copies changed ones back to host memory), and compare
+lookups, tables and optimizer state exactly; the device table itself is
+checked against the numpy model in placements_test.py, and one case here
+checks the host tier against the model directly. The cache directory
+(`row_cache.py`) is tested on its own, in numpy.
+"""
+
+import tempfile
+
+import test_util
+
+from absl.testing import absltest
+from absl.testing import parameterized
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+import placements_test
+import pallas_emb as pe
+from pallas_emb import checkpoint
+from pallas_emb import host_tier
+from pallas_emb import layout as layout_lib
+from pallas_emb import row_cache
+from pallas_emb import stack as stack_lib
+
+B, SEQ, BAG = 4, 3, 4
+
+
+def collections(placement="column", policy="lru", optimizer=None,
+                dtype=jnp.float32, cache_rows=24, vocab=60, width=8,
+                ranks=2, padding_id=0):
+  """`(host-tier collection, the same on the devices)`: one table read by
+  a sequence feature, a mean-pooled one and a weighted sum-pooled one."""
+  optimizer = optimizer or pe.RowwiseAdagrad(0.1)
+  spec = dict(optimizer=optimizer, dtype=dtype, placement=placement,
+              padding_id=padding_id)
+  features = [pe.FeatureSpec("seq", "t"),
+              pe.FeatureSpec("bag", "t", combiner="mean"),
+              pe.FeatureSpec("wbag", "t", combiner="sum", weighted=True)]
+  mesh = test_util.mesh({"x": ranks})
+  host = pe.TableSpec("t", vocab, width, storage="host",
+                      cache_rows=cache_rows, cache_policy=policy, **spec)
+  device = pe.TableSpec("t", vocab, width, **spec)
+  return tuple(pe.EmbeddingCollection([t], features, mesh, "x",
+                                      backend="xla") for t in (host, device))
+
+
+def spread_ids(rng, shape, vocab):
+  """Edge-case ids (`placements_test.edge_ids`: Zipf, negative, past the
+  end, int32 extremes, the padding candidates), half of them replaced by
+  ids spread over the whole table (and a little past it), so that
+  consecutive batches read many other rows: the caches keep evicting."""
+  ids = placements_test.edge_ids(rng, shape, vocab)
+  spread = rng.integers(-vocab - 2, vocab + 2, shape).astype(np.int32)
+  return np.where(rng.random(shape) < 0.5, spread, ids)
+
+
+def batches(coll, n, seed=0):
+  """`n` batches of ids (`spread_ids`), with the raw ids and weights the
+  numpy model reads."""
+  rng = np.random.default_rng(seed)
+  vocab = coll.tables["t"].vocab_rows
+  out = []
+  for _ in range(n):
+    ids = {name: spread_ids(rng, shape, vocab)
+           for name, shape in (("seq", (B, SEQ)), ("bag", (B, BAG)),
+                               ("wbag", (B, BAG)))}
+    weights = rng.choice(np.float32([0, 0.5, 1, 2]), (B, BAG))
+    batch = {"seq": ids["seq"], "bag": ids["bag"],
+             "wbag": pe.Bag(ids["wbag"], weights=weights)}
+    raw = {"seq": (ids["seq"], None), "bag": (ids["bag"], None),
+           "wbag": (ids["wbag"], weights)}
+    out.append((batch, raw))
+  return out
+
+
+def grads_for(embs, step):
+  rng = np.random.default_rng(100 + step)
+  return {k: jnp.asarray(rng.standard_normal(v.shape), v.dtype)
+          for k, v in embs.items()}
+
+
+def same_start(host, device, seed=0):
+  """A device state of random tables and the host-tier state of the same
+  tables and optimizer state."""
+  state = test_util.random_state(device, seed)
+  return host.state_from_arrays(device.table_arrays(state),
+                                device.optimizer_arrays(state)), state
+
+
+class RowCacheTest(absltest.TestCase):
+  """The directory alone: policies, pinning, all-or-nothing admission."""
+
+  def admit(self, cache, rows, pinned=(), counts=None, trains=True):
+    rows = np.asarray(rows)
+    counts = np.ones(rows.size, int) if counts is None else np.asarray(counts)
+    return cache.admit(rows, counts, np.full(rows.size, trains),
+                       np.asarray(pinned, np.int32))
+
+  def test_lru_evicts_the_least_recently_used(self):
+    cache = row_cache.RowCache(4, 100, "lru")
+    self.admit(cache, [10, 11, 12, 13])
+    self.admit(cache, [12, 10])  # 11 and 13 are now the oldest
+    got = self.admit(cache, [20, 21])
+    self.assertEqual(sorted(got.evict_rows), [11, 13])
+    self.assertEqual(sorted(got.fetch_rows), [20, 21])
+    self.assertTrue(all(got.dirty))  # trained since they came in
+    np.testing.assert_array_equal(cache.slots_of(np.array([11, 13])), -1)
+    self.assertEqual(set(cache.slot_row), {10, 12, 20, 21})
+
+  def test_lfu_evicts_the_least_frequently_used_and_ages(self):
+    cache = row_cache.RowCache(4, 100, "lfu")
+    self.admit(cache, [10, 11, 12, 13], counts=[5, 1, 9, 2],
+               trains=False)
+    got = self.admit(cache, [20], counts=[1])
+    self.assertEqual(list(got.evict_rows), [11])
+    self.assertFalse(got.dirty[0])  # never trained: nothing to copy back
+    # The pass halved the counts: 10: 2, 12: 4, 13: 1; 20 came in with 1.
+    # A tie of counts (13, 20) goes to the least recently used, 13.
+    got = self.admit(cache, [21])
+    self.assertEqual(list(got.evict_rows), [13])
+
+  def test_pinned_rows_stay_and_a_full_cache_changes_nothing(self):
+    cache = row_cache.RowCache(4, 100, "lru")
+    first = self.admit(cache, [1, 2])
+    second = self.admit(cache, [3, 4], pinned=first.slots)
+    # Rows 1 and 2 are the oldest, but pinned: a batch needing them out
+    # does not fit, and the directory is left as it was.
+    before = cache.row_slot.copy(), cache.slot_row.copy()
+    with self.assertRaisesRegex(pe.InputError, r"needs 6 rows resident.*"
+                                r"holds 4"):
+      self.admit(cache, [5, 6],
+                 pinned=np.concatenate([first.slots, second.slots]))
+    np.testing.assert_array_equal(cache.row_slot, before[0])
+    np.testing.assert_array_equal(cache.slot_row, before[1])
+    self.assertEqual(cache.needed(np.array([5, 6]), first.slots), 4)
+    got = self.admit(cache, [5, 6], pinned=first.slots)
+    self.assertEqual(sorted(got.evict_rows), [3, 4])
+
+  def test_evicts_a_group_per_pass(self):
+    cache = row_cache.RowCache(64, 1000, "lru")
+    self.admit(cache, np.arange(64))
+    got = self.admit(cache, [500])  # one miss evicts 64 // 32 rows
+    self.assertEqual(sorted(got.evict_rows), [0, 1])
+    self.assertEqual(cache.cached, 63)
+    got = self.admit(cache, [501])  # a free slot: nothing evicted
+    self.assertEqual(got.evict_rows.size, 0)
+
+
+class HostKeysTest(absltest.TestCase):
+
+  def test_host_keys_are_the_steps_keys(self):
+    """The prefetch's numpy rule is `stack.entry_keys` (weights aside), on
+    every edge case: negative ids, past the end, int32 extremes, padding."""
+    rng = np.random.default_rng(0)
+    for vocab, padding in ((7, 0), (60, 3), (1000, None)):
+      ids = spread_ids(rng, (200,), vocab)
+      feature = layout_lib.FeatureLayout("f", 0, vocab, padding, ids.shape,
+                                         None, 200)
+      np.testing.assert_array_equal(
+          host_tier.host_keys(ids, vocab, padding),
+          np.asarray(stack_lib.entry_keys(feature, jnp.asarray(ids), None)))
+
+
+class SpecTest(absltest.TestCase):
+
+  def test_bad_storage_specs_raise(self):
+    opt = pe.Sgd(0.1)
+    for kw, match in (
+        (dict(storage="disk"), r"storage='disk'; expected one of"),
+        (dict(storage="host"), r"storage='host' needs cache_rows=C"),
+        (dict(storage="host", cache_rows=0), r"cache_rows=0 must be a "),
+        (dict(storage="host", cache_rows=10),
+         r"cache_rows=10 is not fewer than its vocab_rows=10"),
+        (dict(storage="host", cache_rows=4, placement="table"),
+         r"storage='host' with placement='table'"),
+        (dict(cache_rows=4), r"has a cache_rows or cache_policy but "
+         r"storage='device'"),
+        (dict(storage="host", cache_rows=4, cache_policy="fifo"),
+         r"cache_policy='fifo'; expected one of \('lru', 'lfu'\)"),
+    ):
+      with self.subTest(kw=kw):
+        with self.assertRaisesRegex(pe.InputError,
+                                    "^pallas_emb TableSpec 't' " + match):
+          pe.TableSpec("t", 10, 8, optimizer=opt, **kw)
+
+  def test_a_host_table_is_a_stack_of_its_own(self):
+    opt = pe.Sgd(0.1)
+    tables = [pe.TableSpec("a", 100, 8, optimizer=opt, storage="host",
+                           cache_rows=10),
+              pe.TableSpec("b", 100, 8, optimizer=opt),
+              pe.TableSpec("c", 100, 8, optimizer=opt)]
+    coll = pe.EmbeddingCollection(
+        tables, [pe.FeatureSpec(t.name, t.name) for t in tables],
+        test_util.mesh({"x": 2}), "x")
+    self.assertEqual([s.tables for s in coll.plan.stacks],
+                     [("a",), ("b", "c")])
+    self.assertIn("host [100, 8], a device cache of 10 rows (lru)",
+                  str(coll.plan))
+    self.assertIn("host memory: 3200 bytes", coll.plan.describe())
+
+
+class PlannerTest(absltest.TestCase):
+
+  def test_the_planner_moves_the_largest_table_to_the_host_tier(self):
+    opt = pe.RowwiseAdagrad(0.1)
+    tables = [pe.TableSpec("big", 1_000_000, 64, optimizer=opt),
+              pe.TableSpec("small", 1000, 64, optimizer=opt)]
+    features = [pe.FeatureSpec("b", "big"), pe.FeatureSpec("s", "small")]
+    mesh = test_util.mesh({"x": 2})
+    kw = dict(table_axis="x", batch_size=64, device_memory=100_000_000)
+    with self.assertRaisesRegex(pe.PlanInfeasibleError,
+                                r"move to the host tier \(host_memory"):
+      pe.plan(tables, features, mesh, **kw)
+    with self.assertRaisesRegex(pe.PlanInfeasibleError,
+                                r"more than host_memory=1000 bytes"):
+      pe.plan(tables, features, mesh, host_memory=1000, **kw)
+    planned, report = pe.plan(tables, features, mesh, host_memory=1 << 30,
+                              **kw)
+    big, small = planned
+    self.assertEqual((big.storage, big.placement), ("host", "row"))
+    # 8 steps' distinct rows (every id of a step distinct: 2 x 64).
+    self.assertEqual(big.cache_rows, 1024)
+    self.assertEqual(small.storage, "device")
+    (row,) = [t for t in report.tables if t.name == "big"]
+    self.assertEqual(row.host_bytes, 1_000_000 * (64 * 4 + 4))
+    self.assertEqual(row.link_bytes_per_step, 2 * 128 * (64 * 4 + 4))
+    self.assertRegex(str(report), r"big: row.*\n    host tier: 260000000 "
+                     r"bytes in host memory, a device cache of 1024 rows, "
+                     r"up to 66560 bytes per step over the host link; no "
+                     r"placement fits the device budget")
+    coll = pe.EmbeddingCollection(planned, features, mesh, "x")
+    self.assertEqual(report.memory_per_rank[0], sum(
+        sum(s.rank_bytes()) for s in coll.plan.stacks))
+    self.assertLessEqual(report.memory_per_rank[0], report.budget)
+
+
+class HostTierTest(parameterized.TestCase):
+
+  def check_equal(self, host, device, hstate, dstate, msg):
+    test_util.assert_bits_equal(self, host.table_arrays(hstate)["t"],
+                                device.table_arrays(dstate)["t"], msg)
+    for h, d in zip(host.optimizer_arrays(hstate)["t"],
+                    device.optimizer_arrays(dstate)["t"]):
+      if d is not None:
+        test_util.assert_bits_equal(self, h, d, msg)
+
+  @parameterized.named_parameters(
+      ("column_lru_lazy_adagrad", "column", "lru",
+       pe.RowwiseAdagrad(0.1, half_life_steps=3.0, lazy=True), jnp.float32),
+      ("row_lfu_adam_bf16", "row", "lfu", pe.Adam(0.05), jnp.bfloat16),
+      ("replicated_lru_sgd", "replicated", "lru", pe.Sgd(0.1), jnp.float32),
+  )
+  def test_steps_equal_the_device_table(self, placement, policy, optimizer,
+                                        dtype):
+    """Lookups, tables and optimizer state, bit for bit, every step, with
+    evictions (and copies back to host memory) in every step after the
+    first."""
+    host, device = collections(placement, policy, optimizer, dtype,
+                               cache_rows=32 if placement == "row" else 28)
+    hstate, dstate = same_start(host, device)
+    written = 0
+    for step, (batch, _) in enumerate(batches(host, 4)):
+      hstate, stats = host.prefetch(hstate, batch)
+      stats = stats["t"]
+      self.assertEqual(stats.fetched, stats.rows - stats.hits)
+      if step:
+        self.assertGreater(stats.evicted, 0, f"step {step}")
+      written += stats.written_back
+      hemb = host.lookup(hstate, batch)
+      demb = device.lookup(dstate, batch)
+      for name in demb:
+        test_util.assert_bits_equal(self, hemb[name], demb[name],
+                                    f"step {step} {name}")
+      grads = grads_for(demb, step)
+      hstate, hstats = host.apply_gradients(hstate, batch, grads)
+      dstate, dstats = device.apply_gradients(dstate, batch, grads)
+      self.assertEqual(int(hstats["stack0"].num_overflow), 0)
+      self.assertEqual(int(hstats["stack0"].valid), 1)
+      # The batch's rows in another order: the same sum to f32 rounding.
+      np.testing.assert_allclose(hstats["stack0"].norm,
+                                 dstats["stack0"].norm, rtol=1e-6)
+      self.check_equal(host, device, hstate, dstate, f"step {step}")
+    self.assertGreater(written, 0)
+
+  def test_against_the_numpy_model(self):
+    host, _ = collections("column", "lfu", pe.RowwiseAdagrad(0.1),
+                          cache_rows=30)
+    state = test_util.random_state(host, 3)
+    model = placements_test.Model(host, {
+        "t": np.array(host.table_arrays(state)["t"])})
+    for step, (batch, raw) in enumerate(batches(host, 3, seed=5)):
+      state, stats = host.prefetch(state, batch)
+      if step:
+        self.assertGreater(stats["t"].evicted, 0)
+      embs = host.lookup(state, batch)
+      # Lookups of the current table are exact (the tables themselves
+      # follow the model to the rounding of sums in another order).
+      want = placements_test.Model(host, {
+          "t": np.array(host.table_arrays(state)["t"])}).lookup(raw)
+      for name in embs:
+        np.testing.assert_array_equal(np.asarray(embs[name]), want[name],
+                                      f"step {step} {name}")
+      grads = grads_for(embs, step)
+      state, _ = host.apply_gradients(state, batch, grads)
+      model.step(raw, grads)
+      placements_test.assert_tables_close(
+          host.table_arrays(state)["t"], model.models["t"].table,
+          f"step {step}")
+
+  @parameterized.parameters("lru", "lfu")
+  def test_pipelined_trainer_equals_the_device_table(self, policy):
+    """One step stale: the rows of the batches whose update is in flight
+    stay in the cache while others are evicted, and nothing is lost."""
+    host, device = collections("column", policy, cache_rows=70, vocab=120)
+    hstate, dstate = same_start(host, device, seed=1)
+
+    def loss_fn(params, emb, batch):
+      del batch
+      x = emb["seq"].sum(1) + emb["bag"] + emb["wbag"]
+      return jnp.sum((x @ params["w"]) ** 2), ()
+
+    params = {"w": jnp.full((8, 1), 0.1)}
+    data = [b for b, _ in batches(host, 8, seed=2)]
+    trainers = [pe.Trainer(c, loss_fn, optax.sgd(0.1))
+                for c in (host, device)]
+    hrun = trainers[0].init(hstate, params, data[0])
+    drun = trainers[1].init(dstate, jax.tree.map(jnp.copy, params), data[0])
+    dstep = jax.jit(trainers[1].step, donate_argnums=0)
+    for t, batch in enumerate(data):
+      after = data[min(t + 1, len(data) - 1)]
+      hrun, hm = trainers[0].step(hrun, batch, after)
+      drun, dm = dstep(drun, batch, after)
+      test_util.assert_bits_equal(self, hm.loss, dm.loss, f"step {t}")
+      self.assertIsNone(dm.cache)
+      if 2 <= t < len(data) - 1:  # the first batches fill the cache
+        self.assertGreater(hm.cache["t"].evicted, 0, f"step {t}")
+      if t == 3:  # an evaluation between steps keeps the updates in flight
+        embedding, _ = host.prefetch(hrun.embedding, data[0], train=False)
+        hrun = hrun._replace(embedding=embedding)
+        want = device.lookup(drun.embedding, data[0])
+        for name, got in host.lookup(hrun.embedding, data[0]).items():
+          test_util.assert_bits_equal(self, got, want[name], "evaluation")
+    hrun, _ = trainers[0].flush(hrun)
+    drun, _ = trainers[1].flush(drun)
+    self.check_equal(host, device, hrun.embedding, drun.embedding, "end")
+
+  def test_a_cache_too_small_is_an_error_before_anything_changes(self):
+    host, _ = collections("row", cache_rows=8)
+    state = test_util.random_state(host)
+    batch, _ = batches(host, 1)[0]
+    directory = [c.row_slot.copy() for c in
+                 state.host.stacks["stack0"].caches]
+    with self.assertRaisesRegex(
+        pe.InputError, r"host-tier table 't' needs \d+ rows in its device "
+        r"cache at once .* on rank \d, whose part of the row-placed cache "
+        r"holds ceil\(cache_rows / 2\) = 4. Raise cache_rows to at least"):
+      host.prefetch(state, batch)
+    for before, cache in zip(directory, state.host.stacks["stack0"].caches):
+      np.testing.assert_array_equal(cache.row_slot, before)
+
+  def test_the_pipelined_trainer_needs_three_batches_resident(self):
+    host, _ = collections("column", cache_rows=40)
+    data = [b for b, _ in batches(host, 3, seed=4)]
+    loss = lambda p, emb, b: (sum(jnp.sum(e) for e in emb.values()), ())
+    trainer = pe.Trainer(host, loss, optax.sgd(0.1))
+    run = trainer.init(test_util.random_state(host), {}, data[0])
+    with self.assertRaisesRegex(pe.InputError,
+                                r"2 batches still in flight"):
+      for t in range(2):
+        run, _ = trainer.step(run, data[t], data[t + 1])
+    with self.assertRaisesRegex(pe.InputError, r"call trainer.step\("):
+      jax.jit(trainer.step)(run, data[0], data[1])
+
+  def test_rows_not_prefetched_are_never_silent(self):
+    host, _ = collections("column")
+    state = test_util.random_state(host)
+    batch, _ = batches(host, 1)[0]
+    with self.assertRaisesRegex(pe.InputError,
+                                r"collection lookup: \d+ rows of host-tier "
+                                r"table 't' .* coll.prefetch"):
+      host.lookup(state, batch)
+    # Under jit nothing is checked before; the update counts them.
+    embs, routing = jax.jit(host.lookup_and_route)(state, batch)
+    _, stats = host.apply_gradients(state, routing, grads_for(embs, 0))
+    self.assertGreater(int(stats["stack0"].num_overflow), 0)
+    with self.assertRaisesRegex(pe.UniqueOverflowError,
+                                r"not in its device cache"):
+      host.raise_if_overflow(stats)
+
+  def test_checkpoints_move_between_host_and_device_tables(self):
+    host, device = collections("row", cache_rows=28)
+    hstate, _ = same_start(host, device)
+    data = batches(host, 3, seed=6)
+    for step, (batch, _) in enumerate(data[:2]):
+      hstate, _ = host.prefetch(hstate, batch)
+      embs = host.lookup(hstate, batch)
+      hstate, _ = host.apply_gradients(hstate, batch, grads_for(embs, step))
+    with tempfile.TemporaryDirectory() as d:
+      with self.assertRaisesRegex(pe.CheckpointError, r"save_collection"):
+        checkpoint.save(d, hstate, step=0)
+      checkpoint.save_collection(d, host, hstate, step=1)
+      dstate, _ = checkpoint.restore_collection(d, device)
+      self.check_equal(host, device, hstate, dstate, "host -> device")
+      checkpoint.save_collection(d, device, dstate, step=2)
+      back, _ = checkpoint.restore_collection(d, host, step=2)
+      self.check_equal(host, device, back, dstate, "device -> host")
+    # Training goes on from the restored host tier as on the device.
+    batch, _ = data[2]
+    back, _ = host.prefetch(back, batch)
+    embs = device.lookup(dstate, batch)
+    back, _ = host.apply_gradients(back, batch, grads_for(embs, 2))
+    dstate, _ = device.apply_gradients(dstate, batch, grads_for(embs, 2))
+    self.check_equal(host, device, back, dstate, "after restore")
+
+  def test_serving_copy_equals_the_device_tables(self):
+    host, device = collections("row", cache_rows=28)
+    hstate, dstate = same_start(host, device, seed=7)
+    batch, _ = batches(host, 1, seed=8)[0]
+    for dtype in ("int8", "bfloat16"):
+      hserve, dserve = host.quantize(hstate, dtype), device.quantize(
+          dstate, dtype)
+      for h, d in zip(jax.tree.leaves(hserve.stacks),
+                      jax.tree.leaves(dserve.stacks)):
+        test_util.assert_bits_equal(self, h, d, dtype)
+      hemb, demb = host.lookup(hserve, batch), device.lookup(dserve, batch)
+      for name in demb:
+        test_util.assert_bits_equal(self, hemb[name], demb[name], dtype)
+
+  def test_plan_bytes_are_the_state_arrays(self):
+    host, _ = collections("row", optimizer=pe.Adam(0.1), cache_rows=28)
+    state = test_util.random_state(host)
+    stack = host.plan.stacks[0]
+    shard_bytes = lambda x: x.addressable_shards[0].data.nbytes
+    got = jax.tree.leaves(state.stacks["stack0"])
+    table, rest = shard_bytes(got[0]), sum(shard_bytes(x) for x in got[1:])
+    self.assertEqual(stack.rank_bytes(), (table, rest))
+    self.assertEqual(stack.host_bytes(), sum(
+        x.nbytes for x in jax.tree.leaves(host.table_arrays(state))) + sum(
+            x.nbytes for x in jax.tree.leaves(host.optimizer_arrays(state))
+            if isinstance(x, np.ndarray)))
+
+  def test_layers_refuse_host_tables(self):
+    from pallas_emb import flax as pe_flax  # pylint: disable=g-import-not-at-top
+    host, _ = collections("column")
+    batch, _ = batches(host, 1)[0]
+    with self.assertRaisesRegex(pe.InputError, r"host-tier tables \['t'\]"):
+      pe_flax.EmbeddingCollection(host).init(jax.random.key(0), batch)
+
+
+class BenchTest(absltest.TestCase):
+
+  def test_bench_runs_small(self):
+    """`python -m bench.host_tier` at tiny sizes: every figure it reports."""
+    with tempfile.TemporaryDirectory() as tmp:
+      doc, stdout = test_util.run_program("bench.host_tier", [
+          "--rows=20000", "--width=8", "--ids=64", "--bag=4",
+          "--cache_rows=2048", "--steps=2", "--warmup=2",
+          "--compare_device_rows=2000", "--link_mb=1",
+          "--memory_kinds_rows=1000"], tmp)
+    self.assertIn("host tier / device", stdout)
+    self.assertGreater(doc["link"]["to_device_gbps"], 0)
+    (record,) = doc["results"]
+    host = record["host"]
+    for key in ("step_s", "step_waited_s", "prefetch_s", "hit_rate",
+                "id_hit_rate", "bytes_to_device_per_step",
+                "bytes_to_host_per_step", "fetched_per_step"):
+      self.assertIn(key, host)
+    self.assertBetween(host["hit_rate"], 0, 1)
+    self.assertGreater(record["device"]["step_s"], 0)
+    self.assertIn("numpy_device_put_s", record["gathers"])
+
+
+if __name__ == "__main__":
+  absltest.main()
