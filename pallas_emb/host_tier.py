@@ -42,7 +42,7 @@ import collections
 import dataclasses
 import functools
 import time
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -54,6 +54,7 @@ from pallas_emb import placement as placement_lib
 from pallas_emb import quantize as quantize_lib
 from pallas_emb import validation
 from pallas_emb.errors import InputError
+from pallas_emb.kernels.mosaic_tpu import stored as stored_lib
 from pallas_emb.row_cache import RowCache
 from pallas_emb.specs import Bag
 from pallas_emb.state import CollectionState
@@ -116,13 +117,43 @@ def write_rows(array: jax.Array, slots: jax.Array,
 
 
 def _swap(arrays, cache_map, read_slots, write_slots, values, map_rows,
-          map_values):
+          map_values, *, layouts):
   """One rank's part of a prefetch: the evicted rows read, the fetched rows
-  written, the map updated (the reads see the arrays before the writes)."""
-  read = tuple(read_rows(a, read_slots) for a in arrays)
-  arrays = tuple(write_rows(a, write_slots, v)
-                 for a, v in zip(arrays, values))
+  written, the map updated (the reads see the arrays before the writes).
+  `layouts`: per array, its `RowLayout` (host rows <-> device rows)."""
+  read = tuple(lay.to_host(read_rows(a, read_slots))
+               for a, lay in zip(arrays, layouts))
+  arrays = tuple(write_rows(a, write_slots, lay.to_device(v))
+                 for a, v, lay in zip(arrays, values, layouts))
   return arrays, cache_map.at[map_rows].set(map_values, mode="drop"), read
+
+
+@dataclasses.dataclass(frozen=True)
+class RowLayout:
+  """How a rank's rows of one array are held on the device and in host
+  memory: the same, except on the Mosaic backend, whose tables (and
+  element-wise state) are stored as whole 128-lane rows of words
+  (`kernels/mosaic_tpu/stored.py`), converted here, a batch's rows at a
+  time. `kind`: "table", "element" or "row"; `width`, `dtype`: the
+  rank's logical columns and the table's dtype."""
+  stored: bool = False
+  kind: str = "row"
+  width: int = 0
+  dtype: Any = None
+
+  def to_device(self, rows):
+    if not self.stored or self.kind == "row":
+      return rows
+    if self.kind == "table":
+      return stored_lib.to_stored(rows)
+    return stored_lib.to_grads(rows, self.dtype)
+
+  def to_host(self, rows):
+    if not self.stored or self.kind == "row":
+      return rows
+    if self.kind == "table":
+      return stored_lib.from_stored(rows, self.width, self.dtype)
+    return stored_lib.from_grads(rows, self.width, self.dtype)
 
 
 def _bucket(n: int) -> int:
@@ -180,14 +211,25 @@ class HostStack:
     specs = placement_lib.state_specs(stack, axis)
     self._specs = (placement_lib.table_spec(stack, axis),) + tuple(
         getattr(specs, n) for n in self.slot_names)
-    self._storage = placement_lib.storage_dtype(stack, coll.backend)
+    stored = placement_lib.stored_layout(coll.backend)
+    self._storage = (stack.dtype if stored else
+                     placement_lib.storage_dtype(stack, coll.backend))
+    kinds = {s.name: s.kind for s in (stack.optimizer.slots()
+                                      if stack.optimizer else ())}
+    self._layouts = tuple(
+        RowLayout(stored, kind, placement_lib.shard_width(stack),
+                  stack.dtype)
+        for kind in ("table",) + tuple(kinds[n] for n in self.slot_names))
     shard = functools.partial(jax.shard_map, mesh=self.mesh, check_vma=False)
     self._swap = jax.jit(shard(
-        _swap, in_specs=(self._specs, P(), self._part_spec, self._part_spec,
-                         self._specs, P(), P()),
+        functools.partial(_swap, layouts=self._layouts),
+        in_specs=(self._specs, P(), self._part_spec, self._part_spec,
+                  self._specs, P(), P()),
         out_specs=(self._specs, P(), self._specs)), donate_argnums=(0, 1))
     self._read = jax.jit(shard(
-        lambda arrays, slots: tuple(read_rows(a, slots) for a in arrays),
+        lambda arrays, slots: tuple(
+            lay.to_host(read_rows(a, slots))
+            for a, lay in zip(arrays, self._layouts)),
         in_specs=(self._specs, self._part_spec), out_specs=self._specs))
 
   # --- views ---------------------------------------------------------------
@@ -521,9 +563,11 @@ def empty_cache(coll, stack, step=None) -> StackState:
   optimizer's step counter (`step`, else 0)."""
   sharding = coll.stack_sharding(stack)
   storage = placement_lib.storage_dtype(stack, coll.backend)
-  table = jax.jit(lambda: jnp.zeros((stack.total_rows, stack.emb_width),
-                                    storage), out_shardings=sharding)()
-  opt_state = placement_lib.fresh_state(stack, coll.mesh, coll.table_axis)
+  width = placement_lib.storage_width(stack, coll.backend)
+  table = jax.jit(lambda: jnp.zeros((stack.total_rows, width), storage),
+                  out_shardings=sharding)()
+  opt_state = placement_lib.fresh_state(stack, coll.mesh, coll.table_axis,
+                                        coll.backend)
   if opt_state is not None and step is not None:
     # A copy: the state is donated, the given step may live on elsewhere.
     opt_state = opt_state._replace(step=jax.device_put(

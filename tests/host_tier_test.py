@@ -37,7 +37,7 @@ B, SEQ, BAG = 4, 3, 4
 
 def collections(placement="column", policy="lru", optimizer=None,
                 dtype=jnp.float32, cache_rows=24, vocab=60, width=8,
-                ranks=2, padding_id=0):
+                ranks=2, padding_id=0, backend="xla"):
   """`(host-tier collection, the same on the devices)`: one table read by
   a sequence feature, a mean-pooled one and a weighted sum-pooled one."""
   optimizer = optimizer or pe.RowwiseAdagrad(0.1)
@@ -51,7 +51,7 @@ def collections(placement="column", policy="lru", optimizer=None,
                       cache_rows=cache_rows, cache_policy=policy, **spec)
   device = pe.TableSpec("t", vocab, width, **spec)
   return tuple(pe.EmbeddingCollection([t], features, mesh, "x",
-                                      backend="xla") for t in (host, device))
+                                      backend=backend) for t in (host, device))
 
 
 def spread_ids(rng, shape, vocab):
@@ -259,17 +259,23 @@ class HostTierTest(parameterized.TestCase):
        pe.RowwiseAdagrad(0.1, half_life_steps=3.0, lazy=True), jnp.float32),
       ("row_lfu_adam_bf16", "row", "lfu", pe.Adam(0.05), jnp.bfloat16),
       ("replicated_lru_sgd", "replicated", "lru", pe.Sgd(0.1), jnp.float32),
+      # The Mosaic backend's stored rows (words, 128 lanes) in the cache.
+      # (One rank: the interpreter's simulated devices wait for each other.)
+      ("column_lru_adam_bf16_mosaic", "column", "lru", pe.Adam(0.05),
+       jnp.bfloat16, "mosaic_tpu_interpret", 2, 1),
   )
   def test_steps_equal_the_device_table(self, placement, policy, optimizer,
-                                        dtype):
+                                        dtype, backend="xla", steps=4,
+                                        ranks=2):
     """Lookups, tables and optimizer state, bit for bit, every step, with
     evictions (and copies back to host memory) in every step after the
     first."""
     host, device = collections(placement, policy, optimizer, dtype,
-                               cache_rows=32 if placement == "row" else 28)
+                               cache_rows=32 if placement == "row" else 28,
+                               backend=backend, ranks=ranks)
     hstate, dstate = same_start(host, device)
     written = 0
-    for step, (batch, _) in enumerate(batches(host, 4)):
+    for step, (batch, _) in enumerate(batches(host, steps)):
       hstate, stats = host.prefetch(hstate, batch)
       stats = stats["t"]
       self.assertEqual(stats.fetched, stats.rows - stats.hits)

@@ -268,28 +268,38 @@ class CollectionStepTest(parameterized.TestCase):
   @parameterized.product(dtype=(jnp.float32, jnp.bfloat16),
                          placement=("column", "row"))
   def test_state_is_stored_and_converts_at_the_edges(self, dtype, placement):
-    """The state holds whole 128-lane rows of words (bf16 packed); its
-    logical tables and optimizer state move to the xla backend and back
-    bit for bit (what checkpoints do)."""
+    """The state holds whole 128-lane rows of words (bf16 packed, each
+    rank's columns on their own); its logical tables and optimizer state
+    move to the xla backend and back bit for bit (what checkpoints do).
+    No step: `test_two_steps_match_xla` runs those."""
     coll = _collection(BACKEND, dtype, 48, placement, pe.Adam(0.01))
-    # Jitted, as a step runs: the interpreter's simulated devices meet at
-    # barriers inside one program.
-    state = jax.jit(lambda s, b: _step(coll, s, b)[0])(
-        coll.init(jax.random.key(1)), _batch(3))
+    other = _collection("xla", dtype, 48, placement, pe.Adam(0.01))
+    state = test_util.random_state(other, 4)
+    rng = np.random.default_rng(5)
+    tables = other.table_arrays(state)
+    opts = jax.tree.map(  # random moments, not zeros
+        lambda x: jnp.asarray(rng.standard_normal(x.shape), x.dtype)
+        if x.ndim == 2 else x, other.optimizer_arrays(state))
+    kept = coll.state_from_arrays(tables, opts)
     stack = coll.plan.stacks[0]
-    table = state.stacks[stack.name].table
+    table = kept.stacks[stack.name].table
     ranks = stack.ranks if placement == "column" else 1
     self.assertEqual(table.shape, (stack.total_rows, 128 * ranks))
     self.assertEqual(table.dtype, jnp.uint32 if dtype == jnp.bfloat16
                      else jnp.float32)
-    tables, opts = coll.table_arrays(state), coll.optimizer_arrays(state)
-    self.assertEqual(tables["items"].shape, (300, 48))
-    other = _collection("xla", dtype, 48, placement, pe.Adam(0.01))
-    moved = other.state_from_arrays(tables, opts)
-    back = coll.state_from_arrays(other.table_arrays(moved),
-                                  other.optimizer_arrays(moved))
-    for got, want in zip(jax.tree.leaves(back), jax.tree.leaves(state)):
+    for got, want in zip(jax.tree.leaves((coll.table_arrays(kept),
+                                          coll.optimizer_arrays(kept))),
+                         jax.tree.leaves((tables, opts))):
       test_util.assert_bits_equal(self, got, want)
+    if placement == "column":  # rank 1's block starts at its column 24
+      words = np.asarray(table)[:300]
+      logical = np.asarray(tables["items"])
+      if dtype == jnp.bfloat16:
+        bits = logical.view(np.uint16).astype(np.uint32)
+        np.testing.assert_array_equal(words[:, 128], bits[:, 24]
+                                      | bits[:, 25] << 16)
+      else:
+        np.testing.assert_array_equal(words[:, 128], logical[:, 24])
 
 
 MOSAIC_KERNELS = re.compile(r'kernel_name = "(pallas_emb_\w+_tpu)"')
