@@ -466,8 +466,8 @@ def host_keys(ids: np.ndarray, vocab_rows: int, padding_id) -> np.ndarray:
   wrapped = np.where(x < 0, x + vocab_rows, x)
   row = np.clip(wrapped, 0, vocab_rows - 1)
   trains = (wrapped >= 0) & (wrapped < vocab_rows)
-  if padding_id is not None:
-    trains &= x != padding_id
+  if padding_id is not None:  # the padding row, whatever id reaches it
+    trains &= row != padding_id % vocab_rows
   return np.where(trains, row, ~row)
 
 

@@ -778,7 +778,9 @@ class AcceleratorBackendOnCpuTest(parameterized.TestCase):
                r"Triton kernels, 'mosaic_tpu_interpret' the Mosaic ones")
     ctx = pe.make_context(mesh, "x", tokens_per_batch=4, emb_width=8,
                           num_unique=5)
-    table = state.stacks["stack0"].table
+    # The single-table API takes the logical table (the collection's state
+    # holds a Mosaic table in its stored layout).
+    table = coll.table_arrays(state)["t"]
     for call in (lambda: coll.lookup(state, batch),
                  lambda: coll.lookup_and_route(state, batch),
                  lambda: coll.apply_gradients(state, batch, grads),
@@ -792,8 +794,9 @@ class AcceleratorBackendOnCpuTest(parameterized.TestCase):
                      backend=backend)):
       with self.assertRaisesRegex(pe.InputError, message):
         call()
-    # Traced, nothing runs on the CPU: the step lowers for the accelerator.
-    lowered = jax.jit(coll.lookup).trace(state, batch).lower(
+    # Traced, nothing runs on the CPU: the step lowers for the accelerator
+    # (the update: a Mosaic lookup reads rows with XLA's gather).
+    lowered = jax.jit(coll.apply_gradients).trace(state, batch, grads).lower(
         lowering_platforms=(platform,))
     self.assertIn("tpu_custom_call" if platform == "tpu" else
                   "__gpu$xla.gpu.triton", lowered.as_text())
