@@ -275,7 +275,7 @@ class EmbeddingCollection(nn.Module):
             "expected a ServingState or CollectionState "
             "(pallas_emb.flax.serving_variables makes them).")
       return coll.lookup(serving, batch)
-    _no_host_tables(coll)
+    validation.check_no_host_tables(coll.host_tables, "pallas_emb.flax")
     supplied = _supplied(self)
     if supplied is not None:
       return self._check_supplied(dict(supplied), batch)
@@ -575,12 +575,3 @@ class FlaxTrainer:
   def flush(self, state: pipeline.PipelineState):
     """`pallas_emb.Trainer.flush`: apply the last staged update (jitted)."""
     return self._flush(state)
-
-
-def _no_host_tables(coll) -> None:
-  if coll.host_tables:
-    raise InputError(
-        f"pallas_emb {__name__}.EmbeddingCollection holds every table as "
-        f"a param, which host-tier tables {list(coll.host_tables)} are not "
-        "(their rows live in host memory); train them with pallas_emb."
-        "Trainer on coll.init's state, or serve them through a ServingState.")

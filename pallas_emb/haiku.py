@@ -176,7 +176,7 @@ class EmbeddingCollection(hk.Module):
             f"{type(serving).__name__}; expected a ServingState "
             "(collection.quantize(state, dtype)) or a CollectionState.")
       return coll.lookup(serving, batch)
-    _no_host_tables(coll)
+    validation.check_no_host_tables(coll.host_tables, "pallas_emb.haiku")
     stacks = {}
     for stack in coll.plan.stacks:
       shape = [stack.total_rows, stack.emb_width]
@@ -223,12 +223,3 @@ def shard_params(ctx: EmbeddingContext, params: hk.Params,
           f"param; modules with params are {sorted(params)}.")
     out[m]["embeddings"] = jax.device_put(params[m]["embeddings"], sharding)
   return out
-
-
-def _no_host_tables(coll) -> None:
-  if coll.host_tables:
-    raise InputError(
-        f"pallas_emb {__name__}.EmbeddingCollection holds every table as "
-        f"a param, which host-tier tables {list(coll.host_tables)} are not "
-        "(their rows live in host memory); train them with pallas_emb."
-        "Trainer on coll.init's state, or serve them through a ServingState.")

@@ -457,6 +457,17 @@ def as_ids(ids, what: str = "token_ids") -> jax.Array:
   return ids if ids.dtype == jnp.int32 else _jax_ids_to_int32(ids, what)
 
 
+def check_no_host_tables(host_tables, layers: str) -> None:
+  """InputError if a collection for the Flax / Haiku layers (`layers`: the
+  module) has host-tier tables: the layers hold every table as a param."""
+  if host_tables:
+    raise InputError(
+        f"{layers}.EmbeddingCollection holds every table as a param, which "
+        f"host-tier tables {list(host_tables)} are not (their rows live in "
+        "host memory); train them with pallas_emb.Trainer on coll.init's "
+        "state, or serve them through a ServingState.")
+
+
 def check_table(ctx: EmbeddingContext, table, what: str = "table") -> None:
   """A `[vocab_rows, emb_width]` f32/bf16 table, column-sharded if committed."""
   check_table_array(table, ctx.emb_width, what)

@@ -98,6 +98,27 @@ def wait_tile(table, tile, sem):
   pltpu.make_async_copy(table.at[pl.ds(0, tile.shape[0])], tile, sem).wait()
 
 
+def double_buffered_reads(ids_ref, next_ref, table, tile, sem, *, num: int):
+  """Over a 1-D grid: program i's `num` rows (`ids_ref`) into `tile[i % 2]`,
+  started by program i - 1 (program 0 starts its own), while program i
+  starts program i + 1's (`next_ref`) into the other slot. Returns program
+  i's slot, its rows arrived."""
+  i, n = pl.program_id(0), pl.num_programs(0)
+  slot = i % 2
+
+  @pl.when(i == 0)
+  def _():
+    start_reads(ids_ref, table, tile.at[0], sem.at[0], num=num)
+
+  @pl.when(i + 1 < n)
+  def _():
+    start_reads(next_ref, table, tile.at[1 - slot], sem.at[1 - slot],
+                num=num)
+
+  wait_tile(table, tile.at[slot], sem.at[slot])
+  return slot
+
+
 def start_writes(ids_ref, tile, table, sem, *, num: int) -> jax.Array:
   """Starts the copies `tile[r] -> table[ids_ref[0, r]]` for r < num whose
   id is >= 0; returns how many were started (int32)."""

@@ -73,19 +73,8 @@ def gather_rows(table: jax.Array, ids: jax.Array, *, width: int | None = None,
 
 
 def _gather_kernel(ids_ref, next_ref, table, out_ref, tile, sem, *, block):
-  i, n = pl.program_id(0), pl.num_programs(0)
-  slot = i % 2
-
-  @pl.when(i == 0)
-  def _():
-    dma.start_reads(ids_ref, table, tile.at[0], sem.at[0], num=block)
-
-  @pl.when(i + 1 < n)
-  def _():
-    dma.start_reads(next_ref, table, tile.at[1 - slot], sem.at[1 - slot],
-                    num=block)
-
-  dma.wait_tile(table, tile.at[slot], sem.at[slot])
+  slot = dma.double_buffered_reads(ids_ref, next_ref, table, tile, sem,
+                                   num=block)
   out_ref[...] = tile[slot]
 
 
@@ -116,20 +105,8 @@ def _dma_gather(table, ids, interpret):
 
 def _pool_kernel(rows_ref, next_ref, valid_ref, weights_ref, table, out_ref,
                  tile, sem, *, block, max_len, words):
-  i, n = pl.program_id(0), pl.num_programs(0)
-  slot = i % 2
-  entries = block * max_len
-
-  @pl.when(i == 0)
-  def _():
-    dma.start_reads(rows_ref, table, tile.at[0], sem.at[0], num=entries)
-
-  @pl.when(i + 1 < n)
-  def _():
-    dma.start_reads(next_ref, table, tile.at[1 - slot], sem.at[1 - slot],
-                    num=entries)
-
-  dma.wait_tile(table, tile.at[slot], sem.at[slot])
+  slot = dma.double_buffered_reads(rows_ref, next_ref, table, tile, sem,
+                                   num=block * max_len)
   here = tile.at[slot]
 
   def add_entry(k, sums):
