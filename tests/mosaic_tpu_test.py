@@ -11,6 +11,7 @@ tests on a TPU with backend "mosaic_tpu" (`PALLAS_EMB_TEST_BACKEND`).
 import os
 import re
 import types
+from unittest import mock
 
 import test_util
 
@@ -29,6 +30,7 @@ from pallas_emb import kernels
 from pallas_emb import validation
 from pallas_emb.kernels import reference
 from pallas_emb.kernels.mosaic_tpu import lookup
+from pallas_emb.kernels.mosaic_tpu import segment_sum
 from pallas_emb.kernels.mosaic_tpu import stored
 
 BF16 = test_util.BF16
@@ -166,6 +168,43 @@ def _update(opt, backend, args, width, apply=True):
   out = jax.jit(fn)(table, rows, elements, tokens, grad_accum, row_sq,
                     jnp.asarray(apply), opt.scalars(step))
   return jax.tree.map(np.asarray, out)
+
+
+class GradSumsKernelTest(parameterized.TestCase):
+  """`segment_sum.grad_sums` against a float32 numpy model (products rounded
+  on their own, summed per slot in entry order) and its jnp twin
+  (`jax.ops.segment_sum` of the weighted rows), over several entry blocks
+  and several passes of slots (both made small here)."""
+
+  @parameterized.parameters((128, 40, 40), (256, 40, 23))
+  def test_matches_model_and_twin(self, width, num_slots, live):
+    rng = np.random.default_rng(width + live)
+    num_rows = 150
+    entry_rows = np.repeat(np.arange(num_rows, dtype=np.int32),
+                           rng.integers(0, 4, num_rows))
+    n = entry_rows.size
+    rows = rng.standard_normal((num_rows, width)).astype(F32)
+    weights = rng.standard_normal(n).astype(F32)
+    slots = rng.integers(0, live, n).astype(np.int32)
+    slots[rng.random(n) < 0.1] = -1  # entries that take no slot
+    slots[rng.random(n) < 0.05] = num_slots  # past the buffer: none either
+    with mock.patch.object(segment_sum, "ENTRY_BLOCK", 64), \
+         mock.patch.object(segment_sum, "SUMS_BYTES", 4 * width * 16):
+      got = segment_sum.grad_sums(
+          jnp.asarray(rows), entry_rows, jnp.asarray(slots),
+          jnp.asarray(weights), num_slots, jnp.int32(live),
+          interpret=BACKEND == "mosaic_tpu_interpret")
+    want = np.zeros((num_slots, width), F32)
+    for e in range(n):
+      if 0 <= slots[e] < num_slots:
+        want[slots[e]] += weights[e] * rows[entry_rows[e]]
+    test_util.assert_bits_equal(self, got, want)
+    keep = (slots >= 0) & (slots < num_slots)
+    twin = jax.ops.segment_sum(
+        jnp.where(keep[:, None], weights[:, None] * rows[entry_rows], 0.0),
+        np.where(keep, slots, 0), num_segments=num_slots)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(twin), rtol=1e-5,
+                               atol=1e-5)
 
 
 class SparseUpdateTest(parameterized.TestCase):
