@@ -174,10 +174,13 @@ class GradSumsKernelTest(parameterized.TestCase):
   """`segment_sum.grad_sums` against a float32 numpy model (products rounded
   on their own, summed per slot in entry order) and its jnp twin
   (`jax.ops.segment_sum` of the weighted rows), over several entry blocks
-  and several passes of slots (both made small here)."""
+  and several passes of slots (both made small here), in its windowed and
+  its sorted form (slot buffers of U not a multiple of 8, few live slots)."""
 
-  @parameterized.parameters((128, 40, 40), (256, 40, 23))
-  def test_matches_model_and_twin(self, width, num_slots, live):
+  @parameterized.parameters((128, 40, 40, "windowed"), (256, 40, 23, "windowed"),
+                            (128, 43, 43, "sorted"), (256, 45, 37, "sorted"),
+                            (128, 6, 5, "sorted"))
+  def test_matches_model_and_twin(self, width, num_slots, live, method):
     rng = np.random.default_rng(width + live)
     num_rows = 150
     entry_rows = np.repeat(np.arange(num_rows, dtype=np.int32),
@@ -188,11 +191,13 @@ class GradSumsKernelTest(parameterized.TestCase):
     slots = rng.integers(0, live, n).astype(np.int32)
     slots[rng.random(n) < 0.1] = -1  # entries that take no slot
     slots[rng.random(n) < 0.05] = num_slots  # past the buffer: none either
+    # Every live slot is taken (a dedup's slots are a prefix).
+    slots[rng.choice(n, live, replace=False)] = np.arange(live)
     with mock.patch.object(segment_sum, "ENTRY_BLOCK", 64), \
          mock.patch.object(segment_sum, "SUMS_BYTES", 4 * width * 16):
       got = segment_sum.grad_sums(
           jnp.asarray(rows), entry_rows, jnp.asarray(slots),
-          jnp.asarray(weights), num_slots, jnp.int32(live),
+          jnp.asarray(weights), num_slots, jnp.int32(live), method=method,
           interpret=BACKEND == "mosaic_tpu_interpret")
     want = np.zeros((num_slots, width), F32)
     for e in range(n):
@@ -369,10 +374,11 @@ class TpuLoweringTest(parameterized.TestCase):
     batch = jax.eval_shape(lambda: _batch(0, batch=64))
     text = jax.jit(lambda s, b: _step(coll, s, b)).trace(
         state, batch).lower(lowering_platforms=("tpu",)).as_text()
-    # The sequence gather is XLA's (`lookup.GATHER_METHOD`).
+    # The sequence gather is XLA's (`lookup.GATHER_METHOD`); the gradient
+    # rows fit in VMEM (`segment_sum.SORTED_ROWS_BYTES`).
     self.assertEqual(
         set(MOSAIC_KERNELS.findall(text)),
-        {"pallas_emb_grad_sums_tpu", "pallas_emb_pool_tpu",
+        {"pallas_emb_sorted_grad_sums_tpu", "pallas_emb_pool_tpu",
          opt.kernel_name + "_tpu"})
     self.assertNotIn("triton", text)
 

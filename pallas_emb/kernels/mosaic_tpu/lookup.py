@@ -103,8 +103,10 @@ def _dma_gather(table, ids, interpret):
   return out[:num_ids]
 
 
-def _pool_kernel(rows_ref, next_ref, valid_ref, weights_ref, table, out_ref,
-                 tile, sem, *, block, max_len, words):
+def _pool_kernel(rows_ref, next_ref, *refs, block, max_len, words, masked):
+  # valid_ref (masked only), weights_ref, table, out_ref, tile, sem
+  valid_ref = refs[0] if masked else None
+  weights_ref, table, out_ref, tile, sem = refs[1 if masked else 0:]
   slot = dma.double_buffered_reads(rows_ref, next_ref, table, tile, sem,
                                    num=block * max_len)
   here = tile.at[slot]
@@ -113,10 +115,12 @@ def _pool_kernel(rows_ref, next_ref, valid_ref, weights_ref, table, out_ref,
     at = pl.ds(pl.multiple_of(k * block, block), block)
     values = here[at, :]
     parts = stored.unpack(values) if words else (values,)
-    weight, ok = weights_ref[at, :], valid_ref[at, :] > 0
-    return tuple(
-        s + jnp.where(ok, common.unfused_product(weight, v), 0.0)
-        for s, v in zip(sums, parts))
+    weight = weights_ref[at, :]
+    products = [common.unfused_product(weight, v) for v in parts]
+    if masked:
+      ok = valid_ref[at, :] > 0
+      products = [jnp.where(ok, p, 0.0) for p in products]
+    return tuple(s + p for s, p in zip(sums, products))
 
   zeros = jnp.zeros((block, table.shape[1]), jnp.float32)
   sums = lax.fori_loop(0, max_len, add_entry,
@@ -154,8 +158,9 @@ def _dense_by_runs(values, starts, max_len: int, fill):
 
 def dense_entries(rows, weights, bag_starts, *, max_len: int, block: int):
   """The CSR bags as `[num_blocks * max_len * block]` entries: their rows
-  (0 for padding), whether they are entries (1) or padding (0), and their
-  f32 weights, ordered block, entry position, bag (a pool tile's order)."""
+  (0 for padding), whether they are entries (1) or padding (0; None when
+  every bag is known to be full), and their f32 weights, ordered block,
+  entry position, bag (a pool tile's order)."""
   num_bags = bag_starts.shape[0] - 1
   num_blocks = pl.cdiv(num_bags, block)
   weights = weights.astype(jnp.float32)
@@ -179,7 +184,9 @@ def dense_entries(rows, weights, bag_starts, *, max_len: int, block: int):
   def blocked(x):  # [bags, max_len] -> [blocks, max_len, block], flat
     return x.reshape(num_blocks, block, max_len).transpose(0, 2, 1).reshape(-1)
 
-  return (blocked(dense_rows), blocked(ok.astype(jnp.int32)),
+  # Bags all of length max_len (known before tracing) need no mask.
+  full = static is not None and bool(np.all(np.diff(static) == max_len))
+  return (blocked(dense_rows), None if full else blocked(ok.astype(jnp.int32)),
           blocked(dense_weights))
 
 
@@ -211,17 +218,18 @@ def pool_rows(table: jax.Array, rows: jax.Array, weights: jax.Array,
   dense_rows, valid, dense_weights = dense_entries(
       rows, weights, bag_starts, max_len=max_len, block=block)
   packed = table.dtype == stored.WORD
+  masked = valid is not None
+  column = pl.BlockSpec((entries, 1), lambda i: (i, 0))
   sums = pl.pallas_call(
       functools.partial(_pool_kernel, block=block, max_len=max_len,
-                        words=packed),
+                        words=packed, masked=masked),
       out_shape=jax.ShapeDtypeStruct(
           (num_blocks * block, words_ * (2 if packed else 1)), jnp.float32),
       grid=(num_blocks,),
       in_specs=[dma.smem_block(entries),
-                dma.smem_block(entries, ahead=1, num_blocks=num_blocks),
-                pl.BlockSpec((entries, 1), lambda i: (i, 0)),
-                pl.BlockSpec((entries, 1), lambda i: (i, 0)),
-                pl.BlockSpec(memory_space=pl.ANY)],
+                dma.smem_block(entries, ahead=1, num_blocks=num_blocks)]
+               + [column] * (2 if masked else 1)
+               + [pl.BlockSpec(memory_space=pl.ANY)],
       out_specs=pl.BlockSpec(
           (block, words_ * (2 if packed else 1)), lambda i: (i, 0)),
       scratch_shapes=[pltpu.VMEM((2, entries, words_), table.dtype),
@@ -230,5 +238,5 @@ def pool_rows(table: jax.Array, rows: jax.Array, weights: jax.Array,
       interpret=dma.interpret_params(interpret),
       name="pallas_emb_pool_tpu",
   )(dma.smem_blocks(dense_rows, entries), dma.smem_blocks(dense_rows, entries),
-    valid[:, None], dense_weights[:, None], table)
+    *([valid[:, None]] if masked else []), dense_weights[:, None], table)
   return stored.from_grads(sums[:num_bags], width, dtype).astype(out_dtype)
