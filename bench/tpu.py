@@ -43,6 +43,19 @@ _DISTS = flags.DEFINE_list(
 _REPEATS = flags.DEFINE_integer("repeats", 10, "Timed rounds.")
 _WARMUP = flags.DEFINE_integer("warmup", 2, "Untimed rounds first.")
 _JSON_OUT = flags.DEFINE_string("json_out", None, "Write the results here.")
+_SET = flags.DEFINE_multi_string(
+    "set", [], "MODULE.NAME=VALUE: sets a module constant first (a knob, "
+    "e.g. pallas_emb.kernels.mosaic_tpu.lookup.POOL_METHOD='xla').")
+
+
+def apply_settings(settings):
+  """Sets each `module.NAME=value` (a Python literal) of `settings`."""
+  import ast  # pylint: disable=g-import-not-at-top
+  import importlib  # pylint: disable=g-import-not-at-top
+  for setting in settings:
+    target, value = setting.split("=", 1)
+    module, name = target.rsplit(".", 1)
+    setattr(importlib.import_module(module), name, ast.literal_eval(value))
 
 
 def _loss(emb):
@@ -168,8 +181,10 @@ def format_table(records) -> str:
 def main(argv):
   del argv
   import jax  # pylint: disable=g-import-not-at-top
+  apply_settings(_SET.value)
   print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}, "
-        f"{_IDS.value} ids, bags of {_BAG.value}")
+        f"{_IDS.value} ids, bags of {_BAG.value}"
+        f"{''.join(', ' + x for x in _SET.value)}")
   records, failures = [], []
   for rows, width, dtype, kind, dist in itertools.product(
       _ROWS.value, _WIDTHS.value, _DTYPES.value, _KINDS.value, _DISTS.value):

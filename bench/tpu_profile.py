@@ -29,20 +29,6 @@ from bench import tpu as bench_tpu
 _STEPS = flags.DEFINE_integer("steps", 5, "Traced steps.")
 _TOP = flags.DEFINE_integer("top", 25, "Ops printed.")
 _JSON = flags.DEFINE_string("profile_json", None, "Write the ops here.")
-_SET = flags.DEFINE_multi_string(
-    "set", [], "MODULE.NAME=VALUE: sets a module constant first (a tuning "
-    "knob, e.g. pallas_emb.kernels.mosaic_tpu.sparse_update.ROW_CHUNK=16384).")
-
-
-def apply_settings(settings):
-  """Sets each `module.NAME=value` (a Python literal) of `settings`."""
-  import ast  # pylint: disable=g-import-not-at-top
-  import importlib  # pylint: disable=g-import-not-at-top
-  for setting in settings:
-    target, value = setting.split("=", 1)
-    module, name = target.rsplit(".", 1)
-    setattr(importlib.import_module(module), name, ast.literal_eval(value))
-
 
 def device_op_times(trace_dir: str) -> dict[str, float]:
   """Total ns per op name over the "XLA Ops" lines of the device planes of
@@ -66,7 +52,7 @@ def device_op_times(trace_dir: str) -> dict[str, float]:
 def main(argv):
   del argv
   import jax  # pylint: disable=g-import-not-at-top
-  apply_settings(_SET.value)
+  bench_tpu.apply_settings(flags.FLAGS.set)
   fl = flags.FLAGS
   config = (int(float(fl.rows[0])), int(fl.widths[0]), fl.dtypes[0],
             fl.kinds[0], fl.dists[0], fl.backends[0])
@@ -92,7 +78,7 @@ def main(argv):
   steps = _STEPS.value
   whole = sum(totals.values()) / steps
   print(f"{rows:,} x {width} {dtype} {kind} {dist} on {backend}"
-        f"{' ' + ' '.join(_SET.value) if _SET.value else ''}: device ops {whole / 1e6:.3f} ms "
+        f"{''.join(' ' + x for x in flags.FLAGS.set)}: device ops {whole / 1e6:.3f} ms "
         f"per step ({len(totals)} ops)")
   ranked = sorted(totals.items(), key=lambda kv: -kv[1])
   for name, ns in ranked[:_TOP.value]:

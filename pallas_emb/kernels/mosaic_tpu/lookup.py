@@ -42,6 +42,10 @@ from pallas_emb.kernels.mosaic_tpu import stored
 # kernel). On a v5e, 16,384 / 327,680 rows of a 1M-row table: xla 0.72 /
 # 4.5 ms, dma 0.81 / 5.3 ms (`python -m bench.tpu_parts`).
 GATHER_METHOD = "xla"
+# The pooled lookup: "dma" (the kernel) or "xla" (per entry position, XLA's
+# gather of every bag's stored row, summed in the same order: bounded
+# temporaries, `[M, P]` a position).
+POOL_METHOD = "dma"
 
 
 def _as_stored(table, width):
@@ -190,12 +194,36 @@ def dense_entries(rows, weights, bag_starts, *, max_len: int, block: int):
           blocked(dense_weights))
 
 
+def _xla_pool(table, rows, valid, weights, packed: bool) -> jax.Array:
+  """The kernel's sums by XLA: `rows`, `valid` (or None), `weights`
+  `[max_len, M]`, entry position k of every bag in row k; per position, a
+  gather of the bags' stored rows, added in position order."""
+  max_len, num_bags = rows.shape
+
+  def add_entry(k, sums):
+    at = lambda x: lax.dynamic_index_in_dim(x, k, 0, keepdims=False)
+    values = jnp.take(table, at(rows), axis=0, mode="clip")
+    parts = stored.unpack(values) if packed else (values,)
+    products = [common.unfused_product(at(weights)[:, None], v)
+                for v in parts]
+    if valid is not None:
+      ok = at(valid)[:, None] > 0
+      products = [jnp.where(ok, p, 0.0) for p in products]
+    return tuple(s + p for s, p in zip(sums, products))
+
+  zeros = jnp.zeros((num_bags, table.shape[1]), jnp.float32)
+  sums = lax.fori_loop(0, max_len, add_entry,
+                       (zeros, zeros) if packed else (zeros,))
+  return jnp.concatenate(sums, axis=1) if packed else sums[0]
+
+
 def pool_rows(table: jax.Array, rows: jax.Array, weights: jax.Array,
               bag_starts: jax.Array, *, max_len: int,
-              width: int | None = None, interpret: bool = False,
-              out_dtype=None) -> jax.Array:
+              width: int | None = None, method: str | None = None,
+              interpret: bool = False, out_dtype=None) -> jax.Array:
   """`[M, width]` weighted row sums of a stored (or logical) table for CSR
-  bags (as `reference.pool_rows`; see the module doc)."""
+  bags (as `reference.pool_rows`; see the module doc). `method`: "dma" or
+  "xla" (`POOL_METHOD`)."""
   table, width, dtype = _as_stored(table, width)
   out_dtype = out_dtype or dtype
   vocab_rows, words_ = table.shape
@@ -218,6 +246,12 @@ def pool_rows(table: jax.Array, rows: jax.Array, weights: jax.Array,
   dense_rows, valid, dense_weights = dense_entries(
       rows, weights, bag_starts, max_len=max_len, block=block)
   packed = table.dtype == stored.WORD
+  if (method or POOL_METHOD) == "xla":
+    by_position = lambda x: None if x is None else x.reshape(
+        num_blocks, max_len, block).transpose(1, 0, 2).reshape(max_len, -1)
+    sums = _xla_pool(table, by_position(dense_rows), by_position(valid),
+                     by_position(dense_weights), packed)
+    return stored.from_grads(sums[:num_bags], width, dtype).astype(out_dtype)
   masked = valid is not None
   column = pl.BlockSpec((entries, 1), lambda i: (i, 0))
   sums = pl.pallas_call(
