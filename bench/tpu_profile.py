@@ -4,7 +4,8 @@
     python -m bench.tpu_profile --rows=2000 --ids=64 --bag=4 \
         --backends=xla --steps=2                               # CPU smoke
 
-Takes `bench.tpu`'s flags (the first of each list) and runs the whole
+Takes `bench.tpu`'s flags (the first of each list; `--json_out` gets the
+ops) and runs the whole
 jitted step of that one case a few times under
 `jax.profiler.trace`, reads the trace back (`jax.profiler.ProfileData`)
 and prints, per device op (the "XLA Ops" lines of the device planes: a
@@ -28,7 +29,6 @@ from bench import tpu as bench_tpu
 
 _STEPS = flags.DEFINE_integer("steps", 5, "Traced steps.")
 _TOP = flags.DEFINE_integer("top", 25, "Ops printed.")
-_JSON = flags.DEFINE_string("profile_json", None, "Write the ops here.")
 
 def device_op_times(trace_dir: str) -> dict[str, float]:
   """Total ns per op name over the "XLA Ops" lines of the device planes of
@@ -84,8 +84,8 @@ def main(argv):
   for name, ns in ranked[:_TOP.value]:
     print(f"  {ns / steps / 1e6:8.3f} ms {ns / steps / max(whole, 1):6.1%}  "
           f"{name[:110]}")
-  if _JSON.value:
-    with open(_JSON.value, "w") as f:
+  if fl.json_out:
+    with open(fl.json_out, "w") as f:
       json.dump({"config": config,
                  "ms_per_step": {k: v / steps / 1e6 for k, v in ranked}},
                 f, indent=1)

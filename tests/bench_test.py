@@ -235,5 +235,28 @@ class CpuKnobsCliTest(absltest.TestCase):
     self.assertTrue(all(r["median_ms"] > 0 for r in doc["results"]))
 
 
+class TpuBenchTest(absltest.TestCase):
+  """`bench.tpu` and `bench.tpu_profile` run (on a CPU: no device ops in
+  the trace), with a knob set by `--set`."""
+
+  def test_step_table_and_profile(self):
+    knob = "--set=pallas_emb.kernels.mosaic_tpu.lookup.POOL_METHOD='xla'"
+    tiny = ["--rows=500", "--widths=64", "--dtypes=float32", "--ids=32",
+            "--bag=4", "--kinds=pooled", "--backends=xla", "--repeats=1",
+            "--warmup=1", knob]
+    with tempfile.TemporaryDirectory() as tmp:
+      records, stdout = test_util.run_program("bench.tpu", tiny, tmp)
+      self.assertIn("POOL_METHOD='xla'", stdout)
+      self.assertEqual({r["case"] for r in records}, {"xla", "dense"})
+      for r in records:
+        self.assertGreater(r["ms"], 0)
+        self.assertEqual((r["rows"], r["kind"]), (500, "pooled"))
+      profile, stdout = test_util.run_program(
+          "bench.tpu_profile", tiny + ["--steps=1"], tmp)
+      self.assertEqual(profile["config"],
+                       [500, 64, "float32", "pooled", "zipf", "xla"])
+      self.assertIn("device ops", stdout)
+
+
 if __name__ == "__main__":
   absltest.main()
