@@ -5,6 +5,7 @@
 #   bash bench/tpu_check.sh                       # on the chip
 #   WHEELS=/path/to/wheels bash bench/tpu_check.sh  # test deps from there
 #   SMOKE=1 bash bench/tpu_check.sh               # on a CPU: the same, tiny
+#   PROFILE=1 bash bench/tpu_check.sh             # + ms per op of a step
 #
 # 1. puts pallas_emb on PYTHONPATH (nothing is built or installed) and
 #    installs what its tests need that is missing (chex, absl-py, pytest,
@@ -18,7 +19,9 @@
 #    backend (mosaic_tpu) and on xla beside a dense optax step, 1M and 10M
 #    rows, f32 and bf16, sequence ids and bags of 20, with each step's
 #    temporaries; BENCH_FLAGS adds or overrides flags (e.g.
-#    "--widths=32,64,128,256 --kinds=sequence").
+#    "--widths=32,64,128,256 --kinds=sequence");
+# 4. with PROFILE=1, prints where the 1M-row pooled step's device time goes
+#    (bench/tpu_profile.py: ms per op, about 40 s more).
 # Logs go to $LOG (default tpu_check_logs/).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -84,4 +87,10 @@ for run in "${runs[@]}"; do
     ${BENCH_FLAGS:-} --json_out="$LOG/tpu$i.json" 2>&1 \
     | tee "$LOG/tpu$i.txt"
 done
+if [ "${PROFILE:-0}" = 1 ] && [ "$SMOKE" != 1 ]; then
+  echo "tpu_check: where the pooled step's time goes"
+  timeout 120 "$PYTHON" -m bench.tpu_profile --rows=1000000 --widths=64 \
+    --kinds=pooled --json_out="$LOG/profile.json" 2>&1 \
+    | tee "$LOG/profile.txt"
+fi
 echo "tpu_check: done; logs in $LOG/"

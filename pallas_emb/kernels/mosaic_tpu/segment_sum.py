@@ -142,25 +142,27 @@ def grad_sums(rows: jax.Array, entry_rows: np.ndarray, slots: jax.Array,
     method: "sorted" or "windowed" (see the module doc); None: sorted when
       the rows fit `SORTED_ROWS_BYTES`.
   """
-  if method is None:
-    method = ("sorted" if rows.shape[0] * rows.shape[1] * 4
-              <= SORTED_ROWS_BYTES else "windowed")
-  if method == "sorted":
-    return _sorted_grad_sums(rows, entry_rows, slots, weights, num_slots,
-                             live_slots, interpret)
-  return _windowed_grad_sums(rows, entry_rows, slots, weights, num_slots,
-                             live_slots, interpret)
-
-
-def _windowed_grad_sums(rows, entry_rows, slots, weights, num_slots,
-                        live_slots, interpret):
   num_rows, width = rows.shape
   (num_entries,) = entry_rows.shape
   if num_entries == 0 or num_slots == 0:
     return jnp.zeros((num_slots, width), jnp.float32)
+  # Entries per block (a multiple of the SMEM row), and the blocks.
   entries = ENTRY_BLOCK if num_entries > ENTRY_BLOCK else (
       -(-num_entries // dma.ROW_ALIGN) * dma.ROW_ALIGN)
-  num_blocks = pl.cdiv(num_entries, entries)
+  blocks = (entries, pl.cdiv(num_entries, entries))
+  if method is None:
+    method = ("sorted" if num_rows * width * 4 <= SORTED_ROWS_BYTES
+              else "windowed")
+  form = _sorted_grad_sums if method == "sorted" else _windowed_grad_sums
+  return form(rows, entry_rows, slots, weights, num_slots, live_slots,
+              blocks, interpret)
+
+
+def _windowed_grad_sums(rows, entry_rows, slots, weights, num_slots,
+                        live_slots, blocks, interpret):
+  num_rows, width = rows.shape
+  (num_entries,) = entry_rows.shape
+  entries, num_blocks = blocks
   size = num_blocks * entries
   entry_rows = np.asarray(entry_rows, np.int32)
   # Padding entries take no slot; they read the last row of their block.
@@ -295,16 +297,11 @@ def _sorted_kernel(firsts_ref, live_ref,  # scalar prefetch: [B + 1], [1]
 
 
 def _sorted_grad_sums(rows, entry_rows, slots, weights, num_slots,
-                      live_slots, interpret):
+                      live_slots, blocks, interpret):
   """`grad_sums` by one walk over the entries sorted by slot (the module
   doc); the rows `[T, G]` sit in VMEM."""
   num_rows, width = rows.shape
-  (num_entries,) = entry_rows.shape
-  if num_entries == 0 or num_slots == 0:
-    return jnp.zeros((num_slots, width), jnp.float32)
-  entries = ENTRY_BLOCK if num_entries > ENTRY_BLOCK else (
-      -(-num_entries // dma.ROW_ALIGN) * dma.ROW_ALIGN)
-  num_blocks = pl.cdiv(num_entries, entries)
+  entries, num_blocks = blocks
   size = num_blocks * entries
   slots = slots.astype(jnp.int32)
   keys = jnp.where((slots >= 0) & (slots < num_slots), slots, num_slots)
