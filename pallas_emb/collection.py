@@ -206,9 +206,11 @@ class EmbeddingCollection:
 
     Each table's values depend only on `key` and its name, so adding a
     table or restacking does not change the others. A host-tier table is
-    filled in host memory, chunk by chunk (`host_tier.init_table`).
+    filled in host memory, chunk by chunk (`host_tier.init_table`), after
+    a check that the host has the memory for it.
     """
     if self.host_tables:
+      host_tier.check_host_memory(self, "coll.init")
       return host_tier.collection_state(self, {
           s.name: StackState(self._stored(s, self.init_stack(key, s.name)),
                              self._fresh_opt_state(s), self._fresh_map(s))
@@ -274,6 +276,8 @@ class EmbeddingCollection:
     state_lib.check_names(tables, self.tables, "tables")
     if opt_states is not None:
       state_lib.check_names(opt_states, self.tables, "opt_states")
+    if self.host_tables and copy:  # host-tier tables copied into host memory
+      host_tier.check_host_memory(self, "state_from_arrays")
     stacks = {}
     for stack in self.plan.stacks:
       arrays = []

@@ -528,6 +528,37 @@ def _chunk_rows(width: int, itemsize: int) -> int:
   return max(1, CHUNK_BYTES // max(1, width * itemsize))
 
 
+def available_host_bytes() -> int | None:
+  """The host memory the kernel says is available (Linux `MemAvailable`),
+  or None where it does not say."""
+  try:
+    with open("/proc/meminfo", encoding="ascii") as f:
+      for line in f:
+        if line.startswith("MemAvailable:"):
+          return int(line.split()[1]) * 1024
+  except (OSError, ValueError, IndexError):
+    pass
+  return None
+
+
+def check_host_memory(coll, what: str) -> None:
+  """Raises InputError, before any of it is allocated, when the host-tier
+  tables' rows and optimizer state (`StackPlan.host_bytes`) exceed the
+  host's available memory: a clear error instead of the kernel's
+  out-of-memory kill part way through filling them."""
+  stacks = [s for s in coll.plan.stacks if s.host]
+  need = sum(s.host_bytes() for s in stacks)
+  have = available_host_bytes()
+  if have is not None and need > have:
+    sizes = ", ".join(f"{s.tables[0]} {s.host_bytes() / 1e9:.2f} GB"
+                      for s in stacks)
+    raise InputError(
+        f"pallas_emb {what}: the host-tier tables need {need / 1e9:.2f} GB "
+        f"of host memory ({sizes}: rows and optimizer state) and this host "
+        f"has {have / 1e9:.2f} GB available; give them fewer rows, keep "
+        "some on the devices, or run on a host with more memory.")
+
+
 def init_table(spec, key) -> np.ndarray:
   """A host-tier table from its initializer, chunk by chunk on the host's
   CPU device: rows `[i c, (i + 1) c)` from `initializer(fold_in(key, i),

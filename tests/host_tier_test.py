@@ -14,6 +14,7 @@ checks the host tier against the model directly. The cache directory
 """
 
 import tempfile
+from unittest import mock
 
 import test_util
 
@@ -373,6 +374,30 @@ class HostTierTest(parameterized.TestCase):
       host.prefetch(state, batch)
     for before, cache in zip(directory, state.host.stacks["stack0"].caches):
       np.testing.assert_array_equal(cache.row_slot, before)
+
+  def test_tables_larger_than_the_host_are_an_error_before_allocating(self):
+    host, _ = collections("row", optimizer=pe.Adam(0.1), cache_rows=28)
+    need = host.plan.stacks[0].host_bytes()
+    arrays = test_util.random_state(host)
+    tables = {"t": np.asarray(host.table_arrays(arrays)["t"])}
+    short = mock.patch.object(host_tier, "available_host_bytes",
+                              return_value=need - 1)
+    never = mock.patch.object(host_tier, "init_table",
+                              side_effect=AssertionError("allocated"))
+    message = (r"pallas_emb coll.init: the host-tier tables need 0.00 GB of "
+               r"host memory \(t 0.00 GB: rows and optimizer state\) and this "
+               r"host has 0.00 GB available; give them fewer rows")
+    with short, never, self.assertRaisesRegex(pe.InputError, message):
+      host.init(jax.random.key(0))
+    with short, self.assertRaisesRegex(pe.InputError, "state_from_arrays"):
+      host.state_from_arrays(tables)
+    with short:  # the arrays given become the host memory: nothing new
+      host.state_from_arrays(tables, copy=False)
+    with mock.patch.object(host_tier, "available_host_bytes",
+                           return_value=need):
+      host.state_from_arrays(tables)
+    have = host_tier.available_host_bytes()
+    self.assertTrue(have is None or have > 0, have)
 
   def test_the_pipelined_trainer_needs_three_batches_resident(self):
     host, _ = collections("column", cache_rows=40)
