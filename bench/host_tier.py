@@ -36,7 +36,7 @@ Per configuration it prints and records:
               gather inside `jit` from a `pinned_host` array (JAX memory
               kinds), each timed, or the error the platform gives
 
-The host table is filled in chunks (`host_tier.init_table`, no second
+The host table is filled in chunks (`host_memory.init_table`, no second
 copy), its initializer a constant (the values do not change the time).
 """
 

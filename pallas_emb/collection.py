@@ -35,6 +35,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from pallas_emb import cpu_malloc
 from pallas_emb import exchange
 from pallas_emb import fitting
+from pallas_emb import host_memory
 from pallas_emb import host_tier
 from pallas_emb import inputs as inputs_lib
 from pallas_emb import kernels
@@ -206,16 +207,16 @@ class EmbeddingCollection:
 
     Each table's values depend only on `key` and its name, so adding a
     table or restacking does not change the others. A host-tier table is
-    filled in host memory, chunk by chunk (`host_tier.init_table`), after
+    filled in host memory, chunk by chunk (`host_memory.init_table`), after
     a check that the host has the memory for it.
     """
     if self.host_tables:
-      host_tier.check_host_memory(self, "coll.init")
+      host_memory.check_host_memory(self, "coll.init")
       return host_tier.collection_state(self, {
           s.name: StackState(self._stored(s, self.init_stack(key, s.name)),
                              self._fresh_opt_state(s), self._fresh_map(s))
           for s in self.plan.stacks if not s.host}, {
-              s.name: host_tier.init_table(self.tables[s.tables[0]],
+              s.name: host_memory.init_table(self.tables[s.tables[0]],
                                            table_key(key, s.tables[0]))
               for s in self.plan.stacks if s.host}, copy=False)
     return self.state_from_stacks(
@@ -277,7 +278,7 @@ class EmbeddingCollection:
     if opt_states is not None:
       state_lib.check_names(opt_states, self.tables, "opt_states")
     if self.host_tables and copy:  # host-tier tables copied into host memory
-      host_tier.check_host_memory(self, "state_from_arrays")
+      host_memory.check_host_memory(self, "state_from_arrays")
     stacks = {}
     for stack in self.plan.stacks:
       arrays = []

@@ -49,6 +49,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from pallas_emb import host_memory
 from pallas_emb import inputs as inputs_lib
 from pallas_emb import placement as placement_lib
 from pallas_emb import quantize as quantize_lib
@@ -60,9 +61,6 @@ from pallas_emb.specs import Bag
 from pallas_emb.state import CollectionState
 from pallas_emb.state import StackState
 
-# Host arrays are filled, quantized and checked in chunks of about this
-# many bytes (a 25.6 GB table never needs a second copy).
-CHUNK_BYTES = 1 << 28
 # Transfers are padded to a power of two of rows (at least this many), so
 # a table's swap program compiles once per size class, not per batch.
 MIN_TRANSFER_ROWS = 8
@@ -475,12 +473,8 @@ def _host_ids(ids, what: str) -> np.ndarray:
   """A feature's ids as host int32 (`validation.as_ids`' checks)."""
   if isinstance(ids, np.ndarray) and ids.dtype == np.int32:
     return ids
-  with jax.default_device(_cpu()):
+  with jax.default_device(host_memory.cpu_device()):
     return np.asarray(validation.as_ids(ids, what))
-
-
-def _cpu():
-  return jax.devices("cpu")[0]
 
 
 def batch_rows(coll, batch) -> dict[str, tuple[np.ndarray, ...]]:
@@ -524,71 +518,6 @@ def check_cached(coll, state, batch, what: str) -> None:
 # --- building a host-tier state ----------------------------------------------
 
 
-def _chunk_rows(width: int, itemsize: int) -> int:
-  return max(1, CHUNK_BYTES // max(1, width * itemsize))
-
-
-def available_host_bytes() -> int | None:
-  """The host memory the kernel says is available (Linux `MemAvailable`),
-  or None where it does not say."""
-  try:
-    with open("/proc/meminfo", encoding="ascii") as f:
-      for line in f:
-        if line.startswith("MemAvailable:"):
-          return int(line.split()[1]) * 1024
-  except (OSError, ValueError, IndexError):
-    pass
-  return None
-
-
-def check_host_memory(coll, what: str) -> None:
-  """Raises InputError, before any of it is allocated, when the host-tier
-  tables' rows and optimizer state (`StackPlan.host_bytes`) exceed the
-  host's available memory: a clear error instead of the kernel's
-  out-of-memory kill part way through filling them."""
-  stacks = [s for s in coll.plan.stacks if s.host]
-  need = sum(s.host_bytes() for s in stacks)
-  have = available_host_bytes()
-  if have is not None and need > have:
-    sizes = ", ".join(f"{s.tables[0]} {s.host_bytes() / 1e9:.2f} GB"
-                      for s in stacks)
-    raise InputError(
-        f"pallas_emb {what}: the host-tier tables need {need / 1e9:.2f} GB "
-        f"of host memory ({sizes}: rows and optimizer state) and this host "
-        f"has {have / 1e9:.2f} GB available; give them fewer rows, keep "
-        "some on the devices, or run on a host with more memory.")
-
-
-def init_table(spec, key) -> np.ndarray:
-  """A host-tier table from its initializer, chunk by chunk on the host's
-  CPU device: rows `[i c, (i + 1) c)` from `initializer(fold_in(key, i),
-  (c, width))` (chunk 0 from `key` itself, so a table of one chunk gets
-  the device table's values)."""
-  rows, width = spec.vocab_rows, spec.emb_width
-  out = np.empty((rows, width), spec.dtype)
-  step = _chunk_rows(width, spec.dtype.itemsize)
-  # Jitted, as the device table's init (eager ops round differently).
-  init = jax.jit(lambda k, n: spec.initializer(k, (n, width), spec.dtype)
-                 .astype(spec.dtype), static_argnums=1)
-  with jax.default_device(_cpu()):
-    key = jax.device_put(key, _cpu())
-    for i, start in enumerate(range(0, rows, step)):
-      n = min(step, rows - start)
-      out[start:start + n] = np.asarray(
-          init(key if i == 0 else jax.random.fold_in(key, i), n))
-  return out
-
-
-def init_slots(spec) -> dict[str, np.ndarray]:
-  """A host-tier table's optimizer slots at their initial values."""
-  opt = spec.optimizer
-  if opt is None:
-    return {}
-  return {s.name: np.full((spec.vocab_rows,) + (
-      (spec.emb_width,) if s.kind == "element" else ()), s.init, s.dtype)
-          for s in opt.slots()}
-
-
 def empty_cache(coll, stack, step=None) -> StackState:
   """A host-tier stack's device state: an empty cache, its map all -1, the
   optimizer's step counter (`step`, else 0)."""
@@ -621,7 +550,7 @@ def host_stack(coll, stack, table, opt_state=None, *, copy=True):
                               else np.array(jax.device_get(x), dtype))
   table = as_host(table, spec.dtype)
   if opt_state is None or spec.optimizer is None:
-    slots, step = init_slots(spec), None
+    slots, step = host_memory.init_slots(spec), None
   else:
     slots = {s.name: as_host(getattr(opt_state, s.name), s.dtype)
              for s in spec.optimizer.slots()}
@@ -672,10 +601,11 @@ def quantize(coll, state, stack, dtype: str):
   table = host.table
   rows, width = table.shape
   parts = []
-  step = _chunk_rows(width, table.dtype.itemsize)
-  with jax.default_device(_cpu()):
+  step = host_memory.chunk_rows(width, table.dtype.itemsize)
+  with jax.default_device(host_memory.cpu_device()):
     for start in range(0, rows, step):
-      chunk = jax.device_put(table[start:start + step], _cpu())
+      chunk = jax.device_put(table[start:start + step],
+                             host_memory.cpu_device())
       try:
         out = quantize_lib.quantize_rows(chunk, dtype)
       except InputError as e:

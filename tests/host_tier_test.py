@@ -28,6 +28,7 @@ import optax
 import placements_test
 import pallas_emb as pe
 from pallas_emb import checkpoint
+from pallas_emb import host_memory
 from pallas_emb import host_tier
 from pallas_emb import layout as layout_lib
 from pallas_emb import row_cache
@@ -380,9 +381,9 @@ class HostTierTest(parameterized.TestCase):
     need = host.plan.stacks[0].host_bytes()
     arrays = test_util.random_state(host)
     tables = {"t": np.asarray(host.table_arrays(arrays)["t"])}
-    short = mock.patch.object(host_tier, "available_host_bytes",
+    short = mock.patch.object(host_memory, "available_host_bytes",
                               return_value=need - 1)
-    never = mock.patch.object(host_tier, "init_table",
+    never = mock.patch.object(host_memory, "init_table",
                               side_effect=AssertionError("allocated"))
     message = (r"pallas_emb coll.init: the host-tier tables need 0.00 GB of "
                r"host memory \(t 0.00 GB: rows and optimizer state\) and this "
@@ -393,10 +394,10 @@ class HostTierTest(parameterized.TestCase):
       host.state_from_arrays(tables)
     with short:  # the arrays given become the host memory: nothing new
       host.state_from_arrays(tables, copy=False)
-    with mock.patch.object(host_tier, "available_host_bytes",
+    with mock.patch.object(host_memory, "available_host_bytes",
                            return_value=need):
       host.state_from_arrays(tables)
-    have = host_tier.available_host_bytes()
+    have = host_memory.available_host_bytes()
     self.assertTrue(have is None or have > 0, have)
 
   def test_the_pipelined_trainer_needs_three_batches_resident(self):
