@@ -89,6 +89,20 @@ def _batches(np, datasets, rows, ids, bag, count, zipf, seed):
           for i in range(count)]
 
 
+def _memory(stage: str, into: dict) -> None:
+  """Records and prints this process's resident and peak host memory (GB,
+  Linux /proc) at `stage`: where a large host tier's memory goes."""
+  try:
+    with open("/proc/self/status") as f:
+      fields = dict(line.split(":", 1) for line in f if ":" in line)
+  except OSError:
+    return
+  gb = lambda key: int(fields.get(key, "0 kB").split()[0]) / 2**20
+  into[stage] = {"rss_gb": gb("VmRSS"), "peak_gb": gb("VmHWM")}
+  print(f"    host memory after {stage}: {into[stage]['rss_gb']:.2f} GB "
+        f"resident, {into[stage]['peak_gb']:.2f} GB peak", flush=True)
+
+
 def _run(pe, jax, jnp, np, optax, rows, bag, batches, host, steps, warmup):
   """Times `steps` pipelined steps (after `warmup`) of a one-table
   collection: the host tier (`host`: cache rows) or a device table."""
@@ -108,8 +122,14 @@ def _run(pe, jax, jnp, np, optax, rows, bag, batches, host, steps, warmup):
     return jnp.mean((emb["f"] @ params["w"]) ** 2), ()
 
   trainer = pe.Trainer(coll, loss_fn, optax.sgd(0.01))
-  state = trainer.init(coll.init(jax.random.key(0)),
-                       {"w": jnp.full((_WIDTH.value, 1), 0.1)}, batches[0])
+  memory = {}
+  _memory("the batches", memory)
+  emb_state = coll.init(jax.random.key(0))
+  _memory("coll.init", memory)
+  state = trainer.init(emb_state, {"w": jnp.full((_WIDTH.value, 1), 0.1)},
+                       batches[0])
+  del emb_state
+  _memory("trainer.init", memory)
   step = trainer.step if host else jax.jit(trainer.step, donate_argnums=0)
   cache, t = [], 0
   calls, ready = [], []  # per step: when its call began; when its loss was
@@ -145,8 +165,10 @@ def _run(pe, jax, jnp, np, optax, rows, bag, batches, host, steps, warmup):
     return seconds
 
   run(warmup, False)
+  _memory("the warmup steps", memory)
   cache.clear()
-  out = {"step_s": run(steps, False)}
+  out = {"step_s": run(steps, False), "memory_gb": memory}
+  _memory("the timed steps", memory)
   # How long the call of step t+1 (its prefetch first) ran before step t's
   # loss was ready: host work overlapping the device's (at most the
   # prefetch; all of it for a device table, which has none).

@@ -110,12 +110,15 @@ class LookupKernelTest(parameterized.TestCase):
 
   @parameterized.product(width=(8, 64, 128), dtype=(jnp.float32,
                                                      jnp.bfloat16),
-                         method=("dma", "xla"))
+                         method=("dma", "xla", "xla_loop"))
   def test_pool_matches_model_and_twin(self, width, dtype, method):
-    """29 bags of 0-5 entries (weights 0 on a fifth, ids out of range)."""
+    """29 bags of 0-5 entries (weights 0 on a fifth, ids out of range);
+    "xla_loop": the xla pool's loop over positions, not unrolled."""
     rng = np.random.default_rng(width)
     args = pool_test.random_case(rng, 37, width, 29, 5, dtype)
-    with mock.patch.object(lookup, "POOL_METHOD", method):
+    unroll = 0 if method == "xla_loop" else lookup.XLA_POOL_UNROLL
+    with mock.patch.object(lookup, "POOL_METHOD", method[:3]), \
+        mock.patch.object(lookup, "XLA_POOL_UNROLL", unroll):
       out = kernels.pool_rows(*args, max_len=5, backend=BACKEND)
     assert_same(self, out, test_util.as_numpy(
         reference.pool_rows(*args, max_len=5)))
@@ -151,13 +154,18 @@ class LookupKernelTest(parameterized.TestCase):
     out = kernels.pool_rows(*args, max_len=600, backend=BACKEND)
     test_util.assert_bits_equal(self, out, test_util.as_numpy(
         reference.pool_rows(*args, max_len=600)))
-    pool = lambda *a, max_len: kernels.pool_rows(*a, max_len=max_len,
-                                                 backend="mosaic_tpu")
-    for max_len, kernel in ((600, False), (5, True)):
-      text = jax.jit(pool, static_argnames="max_len").trace(
-          *args, max_len=max_len).lower(
-              lowering_platforms=("tpu",)).as_text()
-      self.assertEqual("pallas_emb_pool_tpu" in text, kernel, max_len)
+    # "auto" pools bags of at most XLA_POOL_UNROLL entries by XLA's gathers.
+    for max_len, method, kernel in ((600, "dma", False), (5, "dma", True),
+                                    (5, "auto", False), (40, "auto", True)):
+      # A new function each time: jit would reuse the trace of the same one.
+      pool = lambda *a, max_len: kernels.pool_rows(*a, max_len=max_len,
+                                                   backend="mosaic_tpu")
+      with mock.patch.object(lookup, "POOL_METHOD", method):
+        text = jax.jit(pool, static_argnames="max_len").trace(
+            *args, max_len=max_len).lower(
+                lowering_platforms=("tpu",)).as_text()
+      self.assertEqual("pallas_emb_pool_tpu" in text, kernel,
+                       (max_len, method))
 
   def test_pool_f32_output_of_a_bf16_table(self):
     rng = np.random.default_rng(7)
@@ -394,12 +402,12 @@ class TpuLoweringTest(parameterized.TestCase):
     batch = jax.eval_shape(lambda: _batch(0, batch=64))
     text = jax.jit(lambda s, b: _step(coll, s, b)).trace(
         state, batch).lower(lowering_platforms=("tpu",)).as_text()
-    # The sequence gather is XLA's (`lookup.GATHER_METHOD`); the gradient
-    # rows fit in VMEM (`segment_sum.SORTED_ROWS_BYTES`).
+    # The sequence gather and the pool of short bags are XLA's
+    # (`lookup.GATHER_METHOD`, `POOL_METHOD`); the gradient rows fit in VMEM
+    # (`segment_sum.SORTED_ROWS_BYTES`).
     self.assertEqual(
         set(MOSAIC_KERNELS.findall(text)),
-        {"pallas_emb_sorted_grad_sums_tpu", "pallas_emb_pool_tpu",
-         opt.kernel_name + "_tpu"})
+        {"pallas_emb_sorted_grad_sums_tpu", opt.kernel_name + "_tpu"})
     self.assertNotIn("triton", text)
 
   @parameterized.parameters("row", "table", "replicated")
@@ -408,8 +416,9 @@ class TpuLoweringTest(parameterized.TestCase):
                        pe.Adam(0.01))
     state = jax.eval_shape(coll.init, jax.random.key(0))
     batch = jax.eval_shape(lambda: _batch(0, batch=64))
-    text = jax.jit(lambda s, b: _step(coll, s, b)).trace(
-        state, batch).lower(lowering_platforms=("tpu",)).as_text()
+    with mock.patch.object(lookup, "POOL_METHOD", "dma"):  # the kernel too
+      text = jax.jit(lambda s, b: _step(coll, s, b)).trace(
+          state, batch).lower(lowering_platforms=("tpu",)).as_text()
     kernels_in = set(MOSAIC_KERNELS.findall(text))
     self.assertIn("pallas_emb_adam_tpu", kernels_in)
     self.assertIn("pallas_emb_pool_tpu", kernels_in)
