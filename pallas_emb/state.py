@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from typing import Any, NamedTuple
+import weakref
 
 import jax
 import numpy as np
@@ -46,9 +47,6 @@ class StackState(NamedTuple):
   cache_map: jax.Array | None = None
 
 
-@functools.partial(jax.tree_util.register_dataclass,
-                   data_fields=["stacks"],
-                   meta_fields=["fingerprint", "host"])
 @dataclasses.dataclass(frozen=True)
 class CollectionState:
   """Everything a collection trains: stack name -> StackState.
@@ -64,6 +62,51 @@ class CollectionState:
   stacks: dict[str, StackState]
   fingerprint: str | None = None
   host: Any = None
+
+
+class _WeakHost:
+  """A state's host tier as its pytree's static data holds it: weakly.
+
+  jit keeps the static data of every argument it compiled for, for the life
+  of its cache; a strong reference there would keep every host-tier table
+  a state ever had in host memory after the last state using it is gone.
+  The state itself holds the tier strongly. One handle per tier, so that
+  static data compares as the tier (by identity).
+  """
+  __slots__ = ("_ref", "__weakref__")
+
+  def __init__(self, host):
+    self._ref = weakref.ref(host)
+
+  @classmethod
+  def of(cls, host) -> "_WeakHost | None":
+    if host is None:
+      return None
+    handle = getattr(host, "_pytree_handle", None)
+    if handle is None:
+      handle = host._pytree_handle = cls(host)  # pylint: disable=protected-access
+    return handle
+
+  def get(self):
+    host = self._ref()
+    if host is None:
+      raise InputError(
+          "pallas_emb: a collection state with host-tier tables was rebuilt "
+          "from its pytree structure after every state holding its host "
+          "memory was gone; expected a state (or a structure taken from "
+          "one) that is still alive: keep the state, or restore it from a "
+          "checkpoint.")
+    return host
+
+
+jax.tree_util.register_pytree_with_keys(
+    CollectionState,
+    lambda state: (((jax.tree_util.GetAttrKey("stacks"), state.stacks),),
+                   (state.fingerprint, _WeakHost.of(state.host))),
+    lambda aux, children: CollectionState(
+        children[0], aux[0], None if aux[1] is None else aux[1].get()),
+    flatten_func=lambda state: ((state.stacks,), (
+        state.fingerprint, _WeakHost.of(state.host))))
 
 
 @functools.partial(jax.tree_util.register_dataclass,

@@ -13,7 +13,9 @@ checks the host tier against the model directly. The cache directory
 (`row_cache.py`) is tested on its own, in numpy.
 """
 
+import gc
 import tempfile
+import weakref
 from unittest import mock
 
 import test_util
@@ -480,6 +482,23 @@ class HostTierTest(parameterized.TestCase):
         x.nbytes for x in jax.tree.leaves(host.table_arrays(state))) + sum(
             x.nbytes for x in jax.tree.leaves(host.optimizer_arrays(state))
             if isinstance(x, np.ndarray)))
+
+  def test_host_memory_is_freed_with_the_last_state(self):
+    """jit keeps the static data of what it compiled for: it must not keep
+    a host tier (its table in host memory) once no state holds it."""
+    host, _ = collections("column", cache_rows=40)
+    state = host.init(jax.random.key(0))
+    for batch, _ in batches(host, 2):
+      state, _ = host.prefetch(state, batch)
+      grads = grads_for(host.lookup(state, batch), 0)
+      state, _ = host.apply_gradients(state, batch, grads)
+    structure = jax.tree.structure(state)
+    tier = weakref.ref(state.host)
+    del state, batch, grads
+    gc.collect()
+    self.assertIsNone(tier())
+    with self.assertRaisesRegex(pe.InputError, "host memory was gone"):
+      jax.tree.unflatten(structure, [0] * structure.num_leaves)
 
   def test_layers_refuse_host_tables(self):
     from pallas_emb import flax as pe_flax  # pylint: disable=g-import-not-at-top
