@@ -239,8 +239,9 @@ class SeqRecConfig:
       "over max_len + 11 rows, as the HSTU code (HSTU also divides its "
       "attention by max_len + 11 then).")
   compute_dtype: str = _field(
-      "float32", "Compute dtype of the encoder's blocks: 'float32' or "
-      "'bfloat16' (params, norms, residuals and the loss stay float32).")
+      "float32", "Compute dtype of the encoder's blocks: 'float32', "
+      "'bfloat16' (params, norms, residuals and the loss stay float32), or "
+      "'auto' (bfloat16 on a TPU, float32 elsewhere).")
 
   # --- loss: sampled softmax over L2-normalised vectors ---
   num_negatives: int = _field(

@@ -508,15 +508,17 @@ class ConfigTest(absltest.TestCase):
   def test_large_config_is_the_hstu_config_with_8_blocks_2_heads(self):
     configs = os.path.dirname(CONFIG)
     large = load_config(os.path.join(configs, "movielens_1m_hstu_large.py"))
+    # bf16 blocks on a TPU only, where 3 seeds showed the metrics hold.
     self.assertEqual(large, dataclasses.replace(
         load_config(os.path.join(configs, "movielens_1m_hstu.py")),
-        num_blocks=8, num_heads=2))
+        num_blocks=8, num_heads=2, compute_dtype="auto"))
+    self.assertEqual(seqrec_run.compute_dtype("auto"), jnp.float32)  # CPU
     # The reference's large gin: dqk = dv = 25, the rest as its HSTU's.
     self.assertEqual(large.emb_dim // large.num_heads, 25)
     # Ours where the protocol leaves a choice; theirs for the catalogue.
     self.assertEqual((large.catalogue, large.negatives, large.loss_norm,
-                      large.positions, large.compute_dtype),
-                     ("all", "per_user", "constant", "newest", "float32"))
+                      large.positions),
+                     ("all", "per_user", "constant", "newest"))
 
   def test_tpu_script_parses_and_names_existing_configs(self):
     root = os.path.dirname(os.path.dirname(CONFIG))
@@ -566,7 +568,8 @@ class ConfigTest(absltest.TestCase):
         ("negatives", "shared", r"one of \('per_user', 'per_position'\)"),
         ("loss_norm", "mean", r"one of \('constant', 'batch'\)"),
         ("positions", "left", r"one of \('newest', 'oldest'\)"),
-        ("compute_dtype", "float16", r"one of \('float32', 'bfloat16'\)"),
+        ("compute_dtype", "float16",
+         r"one of \('float32', 'bfloat16', 'auto'\)"),
         ("seeds", "1,1", "distinct comma-separated integers"),
         ("seeds", "1;2", "distinct comma-separated integers")):
       config = dataclasses.replace(SeqRecConfig(data_path="/nonexistent"),

@@ -27,7 +27,16 @@ from pallas_emb.flax import FlaxTrainer
 TABLE = "items"
 OPTIMIZERS = ("adam", "rowwise_adagrad", "sgd")
 CATALOGUES = ("all", "rated")  # --catalogue: ml-1m.item's 3,883 or 3,706
-COMPUTE_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+COMPUTE_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16,
+                  "auto": None}
+
+
+def compute_dtype(name: str):
+  """--compute_dtype's dtype; "auto": bfloat16 on a TPU (whose matrix unit
+  is bf16), float32 elsewhere."""
+  if name == "auto":
+    return jnp.bfloat16 if jax.default_backend() == "tpu" else jnp.float32
+  return COMPUTE_DTYPES[name]
 # --encoder: the class and the name the log and the metrics give it.
 ENCODERS = {"sasrec": (model_lib.Encoder, "SASRec"),
             "hstu": (hstu.HSTU, "HSTU")}
@@ -153,7 +162,7 @@ def build(config: SeqRecConfig, data: data_lib.SeqData) -> Run:
       num_blocks=config.num_blocks, num_heads=config.num_heads,
       dropout=config.dropout, hashed=config.hashed,
       from_oldest=config.positions == "oldest",
-      dtype=COMPUTE_DTYPES[config.compute_dtype])
+      dtype=compute_dtype(config.compute_dtype))
   seqrec = model_lib.SeqRec(collection, encoder)
   dense = optax.adamw(config.dense_lr, b1=0.9, b2=config.dense_b2,
                       weight_decay=config.dense_weight_decay)
@@ -219,7 +228,8 @@ def _describe(config: SeqRecConfig, run: Run, per_epoch: int,
               lengths: tuple[int, ...], seed_list: list[int]) -> str:
   data, table = run.data, run.collection.tables[TABLE]
   options = [f"{config.negatives} negatives", f"{config.loss_norm} loss norm",
-             f"positions from the {config.positions}", config.compute_dtype]
+             f"positions from the {config.positions}",
+             jnp.dtype(compute_dtype(config.compute_dtype)).name]
   return (
       f"{PROGRAM}: MovieLens-1M, {data.num_users} users, {data.num_items} "
       f"items ({config.catalogue}), history {config.max_len}; "
