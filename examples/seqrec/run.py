@@ -27,16 +27,9 @@ from pallas_emb.flax import FlaxTrainer
 TABLE = "items"
 OPTIMIZERS = ("adam", "rowwise_adagrad", "sgd")
 CATALOGUES = ("all", "rated")  # --catalogue: ml-1m.item's 3,883 or 3,706
+# --compute_dtype: "auto" is resolved by `compute_dtype`.
 COMPUTE_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16,
                   "auto": None}
-
-
-def compute_dtype(name: str):
-  """--compute_dtype's dtype; "auto": bfloat16 on a TPU (whose matrix unit
-  is bf16), float32 elsewhere."""
-  if name == "auto":
-    return jnp.bfloat16 if jax.default_backend() == "tpu" else jnp.float32
-  return COMPUTE_DTYPES[name]
 # --encoder: the class and the name the log and the metrics give it.
 ENCODERS = {"sasrec": (model_lib.Encoder, "SASRec"),
             "hstu": (hstu.HSTU, "HSTU")}
@@ -134,6 +127,14 @@ class Run:
   collection: pe.EmbeddingCollection
   encoder: model_lib.Encoder
   trainer: FlaxTrainer
+
+
+def compute_dtype(name: str):
+  """--compute_dtype's dtype; "auto": bfloat16 on a TPU (whose matrix unit
+  is bf16), float32 elsewhere."""
+  if name == "auto":
+    return jnp.bfloat16 if jax.default_backend() == "tpu" else jnp.float32
+  return COMPUTE_DTYPES[name]
 
 
 def build(config: SeqRecConfig, data: data_lib.SeqData) -> Run:
