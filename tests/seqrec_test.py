@@ -356,6 +356,11 @@ class HstuTest(absltest.TestCase):
         hstu.small_table_lookup(t, idx, o) * cot))(table)
              for o in (True, False)]
     np.testing.assert_allclose(grads[0], grads[1], rtol=1e-6, atol=1e-6)
+    # Both against the float64 per-bucket sums of the cotangent.
+    want_grad = np.zeros(129)
+    np.add.at(want_grad, np.asarray(idx), np.asarray(cot, np.float64))
+    for grad in grads:
+      np.testing.assert_allclose(grad, want_grad, rtol=1e-5, atol=1e-5)
     # Several tables at the same ids (HSTU's blocks, stacked): column c is
     # table c's lookup, by either path.
     tables = jnp.asarray(rng.normal(size=(129, 3)).astype(np.float32))
@@ -365,6 +370,53 @@ class HstuTest(absltest.TestCase):
       for c in range(3):
         np.testing.assert_array_equal(got[..., c],
                                       np.asarray(tables[:, c])[idx])
+
+  def test_one_hot_path_trains_as_the_gather(self):
+    """HSTU's outputs and parameter gradients through the TPU path of its
+    bias tables (one-hot products, forced here) are the gather path's."""
+    encoder = hstu.HSTU(dim=8, max_len=6, num_blocks=2, num_heads=2,
+                        dropout=0.0)
+    rng = np.random.default_rng(3)
+    items = rng.normal(size=(3, 6, 8)).astype(np.float32)
+    times = np.sort(rng.integers(0, 10**7, (3, 7)), axis=1)
+    valid = np.ones((3, 6), bool)
+    params = encoder.init(jax.random.key(0), items, valid, None, times)
+    params = jax.tree_util.tree_map_with_path(
+        lambda path, w: (jnp.asarray(rng.normal(size=w.shape), w.dtype)
+                         if "_w_" in jax.tree_util.keystr(path) else w),
+        params)
+    cot = rng.normal(size=items.shape).astype(np.float32)
+
+    def loss(p):
+      return jnp.sum(encoder.apply(p, items, valid, None, times) * cot)
+    results, original = [], hstu.small_table_lookup
+    for one_hot in (True, False):
+      lookup = functools.partial(original, one_hot=one_hot)
+      with mock.patch.object(hstu, "small_table_lookup", lookup):
+        results.append(jax.jit(jax.value_and_grad(loss))(params))
+    (value_1h, grads_1h), (value, grads) = results
+    np.testing.assert_allclose(value_1h, value, rtol=1e-6)
+    for path, got in jax.tree_util.tree_leaves_with_path(grads_1h):
+      want = dict(jax.tree_util.tree_leaves_with_path(grads))[path]
+      np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5,
+                                 err_msg=jax.tree_util.keystr(path))
+
+  def test_bf16_parts_sum_back_exactly(self):
+    """The one-hot product's three bf16 parts of an f32 value add back to
+    it bit for bit, over random bit patterns of every exponent a table
+    may hold (normal f32s of magnitude 2^-100 to 2^127)."""
+    rng = np.random.default_rng(5)
+    bits = rng.integers(0, 2**32, 20000, dtype=np.uint64).astype(np.uint32)
+    x = bits.view(np.float32)
+    x = x[np.isfinite(x) & (np.abs(x) > 2.0**-100)]
+    parts = hstu._bf16_parts(jnp.asarray(x)[:, None], -1)  # pylint: disable=protected-access
+    self.assertEqual(parts.dtype, jnp.bfloat16)
+    hi, mid, lo = np.asarray(parts.astype(jnp.float32)).T
+    back = (hi + mid) + lo
+    np.testing.assert_array_equal(back.view(np.uint32), x.view(np.uint32))
+    # Any order: the MXU's accumulator may add them so.
+    np.testing.assert_array_equal(((hi + lo) + mid).view(np.uint32),
+                                  x.view(np.uint32))
 
   def test_causal_up_to_the_next_timestamp(self):
     apply, items, valid, times = _hstu()
