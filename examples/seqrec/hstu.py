@@ -55,68 +55,22 @@ def small_table_lookup(table: jax.Array, idx: jax.Array,
                        one_hot: bool | None = None) -> jax.Array:
   """`table[idx]` of a tiny table `[K]` or `[K, n]` (then `[..., n]`: n
   tables read at the same ids); `one_hot` (default: on TPUs) as a one-hot
-  product on the MXU (`_one_hot_lookup`), exact for finite entries but the
-  sign of a zero (a -0.0 entry reads +0.0). Measured on a v5e at 8df6ccf:
-  ts_w's 129 entries at [128, 200, 200] bucket ids took 42 ms gathered and
-  1.07 ms as a one-hot product; on a CPU the one-hot operand would be
-  materialized (2.6 GB there), so CPUs gather. Reading the n tables in one
-  product builds the one-hot operand once, not n times."""
+  product on the MXU, exact (f32 at HIGHEST precision) for finite entries
+  but the sign of a zero (a -0.0 entry reads +0.0). Measured on a v5e at
+  8df6ccf: ts_w's 129 entries at [128, 200, 200] bucket ids took 42 ms
+  gathered and 1.07 ms as a one-hot product; on a CPU the one-hot operand
+  would be materialized (2.6 GB there), so CPUs gather. Reading the n
+  tables in one product builds the one-hot operand once, not n times.
+  Tried and dropped: the same product in bf16 over the table's three
+  exact bf16 parts (one-hot `[..., 3 K]` times `[3 K, n]`), fewer MXU
+  passes on paper, took 4.5 ms for the forward against 1.3 on a v5e and
+  slowed HSTU-large from 9,740 to 7,940 users/s."""
   if one_hot is None:
     one_hot = jax.devices()[0].platform == "tpu"
   if not one_hot:
     return table[idx]
-  columns = table if table.ndim == 2 else table[:, None]
-  out = _one_hot_lookup(columns, idx).astype(table.dtype)
-  return out if table.ndim == 2 else out[..., 0]
-
-
-def _bf16_parts(x: jax.Array, axis: int) -> jax.Array:
-  """f32 `x` as bf16 three parts `(p0, p1, p2)` concatenated along `axis`,
-  with `(p0 + p1) + p2 == x` exactly, and so every sum of some of them
-  (finite x, not tiny enough to lose bits below bf16's subnormals). Each
-  part is the top 8 significant bits of what is left, cut on the bits, so
-  every conversion to bf16 is exact and no compiler may fold it away."""
-  x = x.astype(jnp.float32)
-  top = lambda a: jax.lax.bitcast_convert_type(
-      jax.lax.bitcast_convert_type(a, jnp.uint32) & jnp.uint32(0xFFFF0000),
-      jnp.float32)
-  hi = top(x)
-  mid = top(x - hi)
-  lo = (x - hi) - mid
-  return jnp.concatenate([hi, mid, lo], axis=axis).astype(jnp.bfloat16)
-
-
-@jax.custom_vjp
-def _one_hot_lookup(table: jax.Array, idx: jax.Array) -> jax.Array:
-  """f32 `table[idx]` of `[K, n]` as one bf16 product: the ids' one-hot,
-  three times over, times the table's three bf16 parts stacked `[3 K, n]`.
-  Each output adds the three parts of its entry (and zeros) in the MXU's
-  f32 accumulator, exactly: every partial sum is an f32. Two passes over
-  `[3 K]` where an f32 product at HIGHEST precision takes six over `K`."""
-  one_hot = jax.nn.one_hot(idx, table.shape[0], dtype=jnp.bfloat16)
-  return jnp.tensordot(jnp.concatenate([one_hot] * 3, axis=-1),
-                       _bf16_parts(table, 0), axes=1,
-                       preferred_element_type=jnp.float32)
-
-
-def _one_hot_lookup_fwd(table, idx):
-  return _one_hot_lookup(table, idx), (idx, table.shape[0])
-
-
-def _one_hot_lookup_bwd(res, grad):
-  """The table's gradient: the ids' one-hot transposed times the
-  cotangent's three bf16 parts side by side `[..., 3 n]`, each part's
-  per-bucket sums in f32, added: the f32 product's sums, in one pass."""
-  idx, rows = res
-  one_hot = jax.nn.one_hot(idx, rows, dtype=jnp.bfloat16)
-  batch = tuple(range(idx.ndim))
-  sums = jnp.tensordot(one_hot, _bf16_parts(grad, -1), axes=(batch, batch),
-                       preferred_element_type=jnp.float32)
-  n = grad.shape[-1]
-  return (sums[:, :n] + sums[:, n:2 * n]) + sums[:, 2 * n:], None
-
-
-_one_hot_lookup.defvjp(_one_hot_lookup_fwd, _one_hot_lookup_bwd)
+  return jnp.tensordot(jax.nn.one_hot(idx, table.shape[0], dtype=table.dtype),
+                       table, axes=1, precision=jax.lax.Precision.HIGHEST)
 
 
 def time_bucket_ids(times: jax.Array) -> jax.Array:
