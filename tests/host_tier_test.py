@@ -267,13 +267,21 @@ class HostTierTest(parameterized.TestCase):
       # (One rank: the interpreter's simulated devices wait for each other.)
       ("column_lru_adam_bf16_mosaic", "column", "lru", pe.Adam(0.05),
        jnp.bfloat16, "mosaic_tpu_interpret", 2, 1),
+      # The host's row copies in chunks on threads, as large batches do.
+      ("row_lru_adagrad_threaded", "row", "lru", pe.RowwiseAdagrad(0.1),
+       jnp.float32, "xla", 4, 2, 2),
   )
   def test_steps_equal_the_device_table(self, placement, policy, optimizer,
                                         dtype, backend="xla", steps=4,
-                                        ranks=2):
+                                        ranks=2, parallel_rows=None):
     """Lookups, tables and optimizer state, bit for bit, every step, with
     evictions (and copies back to host memory) in every step after the
     first."""
+    if parallel_rows:
+      self.enter_context(mock.patch.object(host_tier, "PARALLEL_ROWS",
+                                           parallel_rows))
+      self.enter_context(mock.patch.object(host_tier, "_threads",
+                                           return_value=2))
     host, device = collections(placement, policy, optimizer, dtype,
                                cache_rows=32 if placement == "row" else 28,
                                backend=backend, ranks=ranks)
