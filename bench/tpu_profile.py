@@ -16,7 +16,6 @@ lines: the run only checks that the program works.
 
 from __future__ import annotations
 
-import collections
 import glob
 import json
 import os
@@ -26,28 +25,10 @@ from absl import app
 from absl import flags
 
 from bench import tpu as bench_tpu
+from bench.trace import device_op_times
 
 _STEPS = flags.DEFINE_integer("steps", 5, "Traced steps.")
 _TOP = flags.DEFINE_integer("top", 25, "Ops printed.")
-
-def device_op_times(trace_dir: str) -> dict[str, float]:
-  """Total ns per op name over the "XLA Ops" lines of the device planes of
-  the trace written under `trace_dir`."""
-  from jax.profiler import ProfileData  # pylint: disable=g-import-not-at-top
-  totals = collections.Counter()
-  for path in glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"),
-                        recursive=True):
-    data = ProfileData.from_file(path)
-    for plane in data.planes:
-      if not plane.name.startswith("/device:"):
-        continue
-      for line in plane.lines:
-        if line.name != "XLA Ops":
-          continue
-        for event in line.events:
-          totals[event.name] += event.duration_ns
-  return dict(totals)
-
 
 def main(argv):
   del argv

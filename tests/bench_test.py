@@ -257,6 +257,17 @@ class TpuBenchTest(absltest.TestCase):
                        [500, 64, "float32", "pooled", "zipf", "xla"])
       self.assertIn("device ops", stdout)
 
+  def test_training_profile(self):
+    """`bench.train_profile` runs a whole `examples.train` program traced."""
+    with tempfile.TemporaryDirectory() as tmp:
+      profile, stdout = test_util.run_program(
+          "bench.train_profile", [
+              "--config=" + os.path.join(test_util.ROOT, "configs/tiny.py"),
+              "--epochs=1", "--num_examples=2048"], tmp)
+      self.assertIn("device ops of the run", stdout)
+      self.assertIn("test", stdout)  # the program's own report ran
+      self.assertIsInstance(profile["ms"], dict)
+
 
 if __name__ == "__main__":
   absltest.main()

@@ -1,0 +1,27 @@
+"""Device op times from a `jax.profiler` trace (no flags: any program may
+import it)."""
+
+from __future__ import annotations
+
+import collections
+import glob
+import os
+
+
+def device_op_times(trace_dir: str) -> dict[str, float]:
+  """Total ns per op name over the "XLA Ops" lines of the device planes of
+  the trace written under `trace_dir`."""
+  from jax.profiler import ProfileData  # pylint: disable=g-import-not-at-top
+  totals = collections.Counter()
+  for path in glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"),
+                        recursive=True):
+    data = ProfileData.from_file(path)
+    for plane in data.planes:
+      if not plane.name.startswith("/device:"):
+        continue
+      for line in plane.lines:
+        if line.name != "XLA Ops":
+          continue
+        for event in line.events:
+          totals[event.name] += event.duration_ns
+  return dict(totals)
