@@ -5,10 +5,15 @@ A host-tier table (docs/host_tier.md) keeps its rows and optimizer slots
 in numpy arrays of host memory. `check_host_memory` compares what they
 take (`StackPlan.host_bytes`) with what the host has available before
 anything is allocated; `init_table` and `init_slots` fill them, a table
-chunk by chunk on the host's CPU device (never a second copy of it).
+chunk by chunk on the host's CPU device (never a second copy of it);
+`in_chunks` runs the large row copies in and out of them on threads.
 """
 
 from __future__ import annotations
+
+import concurrent.futures
+import functools
+import os
 
 import jax
 import numpy as np
@@ -18,6 +23,10 @@ from pallas_emb.errors import InputError
 # Host arrays are filled, quantized and checked in chunks of about this
 # many bytes (a 25.6 GB table never needs a second copy).
 CHUNK_BYTES = 1 << 28
+# Host row copies of at least this many rows run on up to MAX_THREADS
+# threads (`in_chunks`).
+PARALLEL_ROWS = 16384
+MAX_THREADS = 8
 
 
 def cpu_device():
@@ -88,3 +97,27 @@ def init_slots(spec) -> dict[str, np.ndarray]:
   return {s.name: np.full((spec.vocab_rows,) + (
       (spec.emb_width,) if s.kind == "element" else ()), s.init, s.dtype)
           for s in opt.slots()}
+
+
+def in_chunks(fn, n: int) -> None:
+  """`fn(start, stop)` over `[0, n)`: in chunks on the host's cores when n
+  is large (numpy's take and row assignment release the GIL; a random row
+  read waits on memory, so threads overlap the waits), else at once."""
+  chunks = min(_threads(), n // max(1, PARALLEL_ROWS // 2))
+  if n < PARALLEL_ROWS or chunks < 2:
+    fn(0, n)
+    return
+  bounds = np.linspace(0, n, chunks + 1).astype(int)
+  futures = [_pool().submit(fn, a, b) for a, b in zip(bounds, bounds[1:])]
+  for future in futures:
+    future.result()
+
+
+def _threads() -> int:
+  return min(MAX_THREADS, os.cpu_count() or 1)
+
+
+@functools.cache
+def _pool() -> concurrent.futures.ThreadPoolExecutor:
+  return concurrent.futures.ThreadPoolExecutor(
+      _threads(), thread_name_prefix="pallas_emb_host_rows")

@@ -39,10 +39,8 @@ a cache array stores its rows.
 from __future__ import annotations
 
 import collections
-import concurrent.futures
 import dataclasses
 import functools
-import os
 import time
 from typing import Any, NamedTuple
 
@@ -66,10 +64,6 @@ from pallas_emb.state import StackState
 # Transfers are padded to a power of two of rows (at least this many), so
 # a table's swap program compiles once per size class, not per batch.
 MIN_TRANSFER_ROWS = 8
-# Host row copies of at least this many rows run on up to MAX_THREADS
-# threads (`_in_chunks`).
-PARALLEL_ROWS = 16384
-MAX_THREADS = 8
 
 
 class CacheStats(NamedTuple):
@@ -175,37 +169,13 @@ def _padded(parts, size, fill, dtype=None):
   return out
 
 
-def _in_chunks(fn, n: int) -> None:
-  """`fn(start, stop)` over `[0, n)`: in chunks on the host's cores when n
-  is large (numpy's take and row assignment release the GIL; a random row
-  read waits on memory, so threads overlap the waits), else at once."""
-  chunks = min(_threads(), n // max(1, PARALLEL_ROWS // 2))
-  if n < PARALLEL_ROWS or chunks < 2:
-    fn(0, n)
-    return
-  bounds = np.linspace(0, n, chunks + 1).astype(int)
-  futures = [_pool().submit(fn, a, b) for a, b in zip(bounds, bounds[1:])]
-  for future in futures:
-    future.result()
-
-
-def _threads() -> int:
-  return min(MAX_THREADS, os.cpu_count() or 1)
-
-
-@functools.cache
-def _pool() -> concurrent.futures.ThreadPoolExecutor:
-  return concurrent.futures.ThreadPoolExecutor(
-      _threads(), thread_name_prefix="pallas_emb_host_rows")
-
-
 def _gathered(parts, rows, size) -> np.ndarray:
   """`parts[r][rows[r]]` for every part r, each padded with zeros to `size`
   rows, concatenated: gathered straight into the transfer buffer."""
   out = np.zeros((len(parts) * size,) + parts[0].shape[1:], parts[0].dtype)
   for r, (part, local) in enumerate(zip(parts, rows)):
     at = r * size
-    _in_chunks(lambda a, b, part=part, local=local, at=at: np.take(
+    host_memory.in_chunks(lambda a, b, part=part, local=local, at=at: np.take(
         part, local[a:b], axis=0, out=out[at + a:at + b]), local.size)
   return out
 
@@ -407,7 +377,7 @@ class HostStack:
 
         def put(a, b, part=part, local=local, values=values, at=at):
           part[local[a:b]] = values[at + a:at + b]
-        _in_chunks(put, local.size)
+        host_memory.in_chunks(put, local.size)
 
   # --- host memory up to date ----------------------------------------------
 

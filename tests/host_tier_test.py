@@ -278,9 +278,9 @@ class HostTierTest(parameterized.TestCase):
     evictions (and copies back to host memory) in every step after the
     first."""
     if parallel_rows:
-      self.enter_context(mock.patch.object(host_tier, "PARALLEL_ROWS",
+      self.enter_context(mock.patch.object(host_memory, "PARALLEL_ROWS",
                                            parallel_rows))
-      self.enter_context(mock.patch.object(host_tier, "_threads",
+      self.enter_context(mock.patch.object(host_memory, "_threads",
                                            return_value=2))
     host, device = collections(placement, policy, optimizer, dtype,
                                cache_rows=32 if placement == "row" else 28,
