@@ -361,15 +361,14 @@ class HstuTest(absltest.TestCase):
     np.add.at(want_grad, np.asarray(idx), np.asarray(cot, np.float64))
     for grad in grads:
       np.testing.assert_allclose(grad, want_grad, rtol=1e-5, atol=1e-5)
-    # Several tables at the same ids (HSTU's blocks, stacked): column c is
-    # table c's lookup, by either path.
-    tables = jnp.asarray(rng.normal(size=(129, 3)).astype(np.float32))
+    # Several tables at the same ids (HSTU's blocks, stacked): row c of
+    # the result is table c's lookup, by either path.
+    tables = jnp.asarray(rng.normal(size=(3, 129)).astype(np.float32))
     for one_hot in (True, False):
       got = np.asarray(hstu.small_table_lookup(tables, idx, one_hot))
-      self.assertEqual(got.shape, idx.shape + (3,))
+      self.assertEqual(got.shape, (3,) + idx.shape)
       for c in range(3):
-        np.testing.assert_array_equal(got[..., c],
-                                      np.asarray(tables[:, c])[idx])
+        np.testing.assert_array_equal(got[c], np.asarray(tables[c])[idx])
 
   def test_one_hot_path_trains_as_the_gather(self):
     """HSTU's outputs and parameter gradients through the TPU path of its

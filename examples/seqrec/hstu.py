@@ -53,25 +53,29 @@ def time_buckets(dt: jax.Array) -> jax.Array:
 
 def small_table_lookup(table: jax.Array, idx: jax.Array,
                        one_hot: bool | None = None) -> jax.Array:
-  """`table[idx]` of a tiny table `[K]` or `[K, n]` (then `[..., n]`: n
-  tables read at the same ids); `one_hot` (default: on TPUs) as a one-hot
+  """`table[idx]` of a tiny table `[K]`, or `[n, ...]` of n tiny tables
+  `[n, K]` read at the same ids; `one_hot` (default: on TPUs) as a one-hot
   product on the MXU, exact (f32 at HIGHEST precision) for finite entries
   but the sign of a zero (a -0.0 entry reads +0.0). Measured on a v5e at
   8df6ccf: ts_w's 129 entries at [128, 200, 200] bucket ids took 42 ms
   gathered and 1.07 ms as a one-hot product; on a CPU the one-hot operand
   would be materialized (2.6 GB there), so CPUs gather. Reading the n
-  tables in one product builds the one-hot operand once, not n times.
-  Tried and dropped: the same product in bf16 over the table's three
-  exact bf16 parts (one-hot `[..., 3 K]` times `[3 K, n]`), fewer MXU
-  passes on paper, took 4.5 ms for the forward against 1.3 on a v5e
-  (`jax.grad` of it 1.5 ms against 1.7), and HSTU-large ran at 7,940 users/s
-  with it, against 9,740 without."""
+  tables in one product builds the one-hot operand once, not n times; the
+  tables' axis leads the result so that each table's `[..., L, L]` keeps
+  the ids' last axis in the chip's 128 lanes (n trailing would pad n to
+  128 lanes). Tried and dropped: the same product in bf16 over the
+  table's three exact bf16 parts (one-hot `[..., 3 K]` times `[3 K, n]`),
+  fewer MXU passes on paper, took 4.5 ms for the forward against 1.3 on a
+  v5e (`jax.grad` of it 1.5 ms against 1.7), and HSTU-large ran at 7,940
+  users/s with it, against 9,740 without."""
   if one_hot is None:
     one_hot = jax.devices()[0].platform == "tpu"
   if not one_hot:
-    return table[idx]
-  return jnp.tensordot(jax.nn.one_hot(idx, table.shape[0], dtype=table.dtype),
-                       table, axes=1, precision=jax.lax.Precision.HIGHEST)
+    return jnp.take(table, idx, axis=-1)
+  return jnp.tensordot(table,
+                       jax.nn.one_hot(idx, table.shape[-1], dtype=table.dtype),
+                       axes=([table.ndim - 1], [idx.ndim]),
+                       precision=jax.lax.Precision.HIGHEST)
 
 
 def time_bucket_ids(times: jax.Array) -> jax.Array:
@@ -83,12 +87,12 @@ def time_bucket_ids(times: jax.Array) -> jax.Array:
 
 
 def position_bias(pos_w: jax.Array, length: int) -> jax.Array:
-  """`[L, L]` (`[L, L, n]` for n stacked tables `[2 M - 1, n]`): pos_w
+  """`[L, L]` (`[n, L, L]` for n stacked tables `[n, 2 M - 1]`): pos_w
   holds the weight of distance i - j at M - 1 + j - i (the
   pad/repeat/reshape of hstu.py:123-125,139 for any L <= M). Read by
   `small_table_lookup`: on TPUs a one-hot product, whose gradient is a
   product too, not a scatter-add of L * L entries into the table."""
-  middle = (pos_w.shape[0] - 1) // 2
+  middle = (pos_w.shape[-1] - 1) // 2
   i = jnp.arange(length)
   return small_table_lookup(pos_w, middle + i[None, :] - i[:, None])
 
@@ -168,16 +172,16 @@ class HSTU(model_lib.Encoder):
 
     dtype = self.dtype
     keep = keep.astype(dtype)
-    # Every block's biases in one lookup each: [L, L, blocks] of the
-    # positions, [B, L, L, blocks] of the time gaps.
-    position = position_bias(jnp.stack(self.pos_w, axis=-1), length)
-    time_bias = small_table_lookup(jnp.stack(self.ts_w, axis=-1),
+    # Every block's biases in one lookup each: [blocks, L, L] of the
+    # positions, [blocks, B, L, L] of the time gaps.
+    position = position_bias(jnp.stack(self.pos_w), length)
+    time_bias = small_table_lookup(jnp.stack(self.ts_w),
                                    time_bucket_ids(times))
     for i in range(self.num_blocks):
       uvqk = self.norm(x).astype(dtype) @ self.uvqk[i].astype(dtype)
       u, v, q, k = jnp.split(nn.silu(uvqk), 4, axis=-1)
       scores = jnp.einsum("bnhd,bmhd->bhnm", split(q), split(k))
-      bias = (position[None, ..., i] + time_bias[..., i]).astype(dtype)
+      bias = (position[i][None] + time_bias[i]).astype(dtype)
       attn = nn.silu(scores + bias[:, None]) / self.num_positions * keep
       out = jnp.einsum("bhnm,bmhd->bnhd", attn, split(v)).reshape(x.shape)
       out = self.norm(out.astype(jnp.float32)).astype(dtype)
