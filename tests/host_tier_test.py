@@ -535,6 +535,9 @@ class BenchTest(absltest.TestCase):
                 "bytes_to_host_per_step", "fetched_per_step"):
       self.assertIn(key, host)
     self.assertBetween(host["hit_rate"], 0, 1)
+    # 2 steps of at most 256 distinct rows cannot fill 2,048 cache rows.
+    self.assertTrue(host["filling"])
+    self.assertIn("the cache was still filling", stdout)
     self.assertGreater(record["device"]["step_s"], 0)
     self.assertIn("numpy_device_put_s", record["gathers"])
 
