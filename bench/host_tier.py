@@ -19,7 +19,10 @@ Per configuration it prints and records:
               between the losses of `--steps` pipelined steps after
               `--warmup`; a step that compiles a new size of the cache's
               row swap is an outlier, and the mean, `mean_step_s`, keeps
-              it), the step time with each step waited for (no
+              it; `mean_step_s_without_compiles` is the mean with the
+              seconds JAX spent compiling taken out, so it keeps the
+              steps that move a group of evicted rows back), the step
+              time with each step waited for (no
               overlap of host work and device work), the host seconds of
               the prefetch per step, the cache hit rate (distinct rows and
               ids) and the bytes per step to the device and back; and the
@@ -107,6 +110,17 @@ def _memory(stage: str, into: dict) -> None:
         f"resident, {into[stage]['peak_gb']:.2f} GB peak", flush=True)
 
 
+_COMPILING = {"seconds": 0.0, "programs": 0}
+
+
+def _count_compiles(name: str, seconds: float, **_) -> None:
+  """A `jax.monitoring` listener: the seconds spent tracing, lowering and
+  compiling, and the programs compiled."""
+  if name.startswith("/jax/core/compile/"):
+    _COMPILING["seconds"] += seconds
+    _COMPILING["programs"] += name.endswith("backend_compile_duration")
+
+
 def _run(pe, jax, jnp, np, optax, rows, bag, batches, host, steps, warmup):
   """Times `steps` pipelined steps (after `warmup`) of a one-table
   collection: the host tier (`host`: cache rows) or a device table."""
@@ -176,7 +190,11 @@ def _run(pe, jax, jnp, np, optax, rows, bag, batches, host, steps, warmup):
   _memory("the warmup steps", memory)
   cache.clear()
   out = {"memory_gb": memory}
+  before = dict(_COMPILING)
   out["step_s"], out["mean_step_s"] = run(steps, False)
+  out["compiled_programs"] = _COMPILING["programs"] - before["programs"]
+  out["mean_step_s_without_compiles"] = out["mean_step_s"] - (
+      _COMPILING["seconds"] - before["seconds"]) / max(steps, 1)
   _memory("the timed steps", memory)
   # How long the call of step t+1 (its prefetch first) ran before step t's
   # loss was ready: host work overlapping the device's (at most the
@@ -263,6 +281,7 @@ def main(argv):
   import pallas_emb as pe  # pylint: disable=g-import-not-at-top
   from pallas_emb import datasets  # pylint: disable=g-import-not-at-top
 
+  jax.monitoring.register_event_duration_secs_listener(_count_compiles)
   device = jax.devices()[0]
   doc = {"what": "bench.host_tier", "device": str(device.device_kind),
          "platform": device.platform, "jax": jax.__version__,
@@ -287,7 +306,9 @@ def main(argv):
     h = record["host"]
     print(f"{what}: host tier [{_ROWS.value}, {_WIDTH.value}] cache "
           f"{_CACHE.value} ({_POLICY.value}): {1e3 * h['step_s']:.1f} ms "
-          f"a step (median; mean {1e3 * h['mean_step_s']:.1f}; "
+          f"a step (median; mean {1e3 * h['mean_step_s']:.1f}, "
+          f"{1e3 * h['mean_step_s_without_compiles']:.1f} without the "
+          f"{h['compiled_programs']} programs compiled; "
           f"{1e3 * h['step_waited_s']:.1f} ms waited for, prefetch "
           f"{1e3 * h['prefetch_s']:.1f} ms on the host, of which "
           f"{1e3 * h['overlap_s']:.1f} ms while the previous step ran: "

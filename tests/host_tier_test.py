@@ -530,6 +530,9 @@ class BenchTest(absltest.TestCase):
     self.assertGreater(doc["link"]["to_device_gbps"], 0)
     (record,) = doc["results"]
     host = record["host"]
+    self.assertLessEqual(host["mean_step_s_without_compiles"],
+                         host["mean_step_s"])
+    self.assertGreaterEqual(host["compiled_programs"], 0)
     for key in ("step_s", "step_waited_s", "prefetch_s", "hit_rate",
                 "id_hit_rate", "bytes_to_device_per_step",
                 "bytes_to_host_per_step", "fetched_per_step"):
