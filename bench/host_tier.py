@@ -50,11 +50,14 @@ from __future__ import annotations
 import json
 import queue
 import statistics
+import tempfile
 import threading
 import time
 
 from absl import app
 from absl import flags
+
+from bench import trace
 
 _ROWS = flags.DEFINE_integer("rows", 100_000_000, "Rows of the host table.")
 _WIDTH = flags.DEFINE_integer("width", 64, "Columns (f32).")
@@ -82,6 +85,11 @@ _LINK_MB = flags.DEFINE_integer("link_mb", 256,
 _MK_ROWS = flags.DEFINE_integer(
     "memory_kinds_rows", 1_000_000,
     "Rows of the table of the gather comparison (0: none).")
+_PROFILE = flags.DEFINE_integer(
+    "profile_steps", 0,
+    "After the timed steps, this many more pipelined steps of the host "
+    "tier under jax.profiler.trace: the device time per step of each "
+    "program (the cache's row swap, the step) and of the largest ops.")
 _JSON_OUT = flags.DEFINE_string("json_out", None, "Write the results here.")
 
 
@@ -94,6 +102,24 @@ def _batches(np, datasets, rows, ids, bag, count, zipf, seed):
   drawn = datasets.zipf_ids(rng, rows, per * count, zipf) - 1
   return [{"f": drawn[i * per:(i + 1) * per].reshape(shape)}
           for i in range(count)]
+
+
+def _profiled(jax, run, steps: int) -> dict:
+  """`run()` traced: device ms per step by program and by op (the ten
+  largest), printed and returned. A CPU's trace has no device planes."""
+  trace_dir = tempfile.mkdtemp(prefix="pallas_emb_host_tier_profile_")
+  with jax.profiler.trace(trace_dir):
+    run()
+  out = {}
+  for what, line in (("programs", "XLA Modules"), ("ops", "XLA Ops")):
+    totals = trace.device_op_times(trace_dir, line)
+    top = sorted(totals.items(), key=lambda kv: -kv[1])[:10]
+    out[what] = {name: ns / 1e6 / steps for name, ns in top}
+    print(f"    device {what}, ms a step over {steps} traced steps: "
+          + (", ".join(f"{name[:60]} {ms:.2f}"
+                       for name, ms in out[what].items()) or "none traced"),
+          flush=True)
+  return out
 
 
 def _memory(stage: str, into: dict) -> None:
@@ -205,6 +231,10 @@ def _run(pe, jax, jnp, np, optax, rows, bag, batches, host, steps, warmup):
              for c, r, p in zip(calls[1:], ready[:-1], prefetch)]
   out["overlap_s"] = statistics.median(overlap) if overlap else 0.0
   out["overlapped_steps"] = sum(o > 0 for o in overlap)
+  if host and _PROFILE.value:
+    out["device_ms_per_step"] = _profiled(jax, lambda: run(_PROFILE.value,
+                                                           False),
+                                          _PROFILE.value)
   if host:
     out["step_waited_s"], out["mean_step_waited_s"] = run(steps, True)
     out["prefetch_s"] = statistics.median(c.seconds for c in cache)

@@ -8,9 +8,11 @@ import glob
 import os
 
 
-def device_op_times(trace_dir: str) -> dict[str, float]:
-  """Total ns per op name over the "XLA Ops" lines of the device planes of
-  the trace written under `trace_dir`."""
+def device_op_times(trace_dir: str, line_name: str = "XLA Ops"
+                    ) -> dict[str, float]:
+  """Total ns per event name over the `line_name` lines of the device
+  planes of the trace written under `trace_dir`: ops ("XLA Ops") or whole
+  programs ("XLA Modules")."""
   from jax.profiler import ProfileData  # pylint: disable=g-import-not-at-top
   totals = collections.Counter()
   for path in glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"),
@@ -20,7 +22,7 @@ def device_op_times(trace_dir: str) -> dict[str, float]:
       if not plane.name.startswith("/device:"):
         continue
       for line in plane.lines:
-        if line.name != "XLA Ops":
+        if line.name != line_name:
           continue
         for event in line.events:
           totals[event.name] += event.duration_ns

@@ -525,7 +525,7 @@ class BenchTest(absltest.TestCase):
           "--rows=20000", "--width=8", "--ids=64", "--bag=4",
           "--cache_rows=2048", "--steps=2", "--warmup=2",
           "--compare_device_rows=2000", "--link_mb=1",
-          "--memory_kinds_rows=1000"], tmp)
+          "--memory_kinds_rows=1000", "--profile_steps=2"], tmp)
     self.assertIn("host tier / device", stdout)
     self.assertGreater(doc["link"]["to_device_gbps"], 0)
     (record,) = doc["results"]
@@ -533,6 +533,8 @@ class BenchTest(absltest.TestCase):
     self.assertLessEqual(host["mean_step_s_without_compiles"],
                          host["mean_step_s"])
     self.assertGreaterEqual(host["compiled_programs"], 0)
+    self.assertIn("device programs, ms a step over 2 traced steps", stdout)
+    self.assertEqual(set(host["device_ms_per_step"]), {"programs", "ops"})
     for key in ("step_s", "step_waited_s", "prefetch_s", "hit_rate",
                 "id_hit_rate", "bytes_to_device_per_step",
                 "bytes_to_host_per_step", "fetched_per_step"):
