@@ -18,12 +18,15 @@ Between steps, `HostTier.prefetch` makes a batch's rows resident
   directory `row_cache.RowCache` per rank part: hits, misses, evictions by
             the table's policy; rows of the batches still in flight are
             pinned (never evicted)
-  one swap  ONE jitted program per table and prefetch: reads the evicted
-            rows that changed (for host memory), writes the misses (from
-            host memory) into their slots and updates the cache map; its
-            inputs are put on the devices asynchronously and its
-            write-back outputs copied to the host asynchronously, so the
-            host's work and the transfers overlap the step in flight
+  the swap two jitted programs per table and prefetch: one reads the
+            evicted rows that changed (for host memory; only when there
+            are such rows), the other writes the misses (from host memory)
+            into their slots and updates the cache map, in place. Apart,
+            because in one program XLA copies each donated cache array to
+            keep the reads' operand: a whole cache twice a swap. The
+            inputs are put on the devices asynchronously and the
+            write-backs copied to the host asynchronously, so the host's
+            work and the transfers overlap the step in flight
 
 An evicted row is copied into host memory (`_finish_write_backs`) before
 the next prefetch reads host memory, so a row that comes back reads its
@@ -114,16 +117,21 @@ def write_rows(array: jax.Array, slots: jax.Array,
   return array.at[slots].set(values.astype(array.dtype), mode="drop")
 
 
-def _swap(arrays, cache_map, read_slots, write_slots, values, map_rows,
-          map_values, *, layouts):
-  """One rank's part of a prefetch: the evicted rows read, the fetched rows
-  written, the map updated (the reads see the arrays before the writes).
-  `layouts`: per array, its `RowLayout` (host rows <-> device rows)."""
-  read = tuple(lay.to_host(read_rows(a, read_slots))
-               for a, lay in zip(arrays, layouts))
+def _write(arrays, cache_map, write_slots, values, map_rows, map_values, *,
+           layouts):
+  """One rank's part of a prefetch's writes: the fetched rows into their
+  slots and the map updated (`layouts`: per array, its `RowLayout`, host
+  rows <-> device rows)."""
   arrays = tuple(write_rows(a, write_slots, lay.to_device(v))
                  for a, v, lay in zip(arrays, values, layouts))
-  return arrays, cache_map.at[map_rows].set(map_values, mode="drop"), read
+  return arrays, cache_map.at[map_rows].set(map_values, mode="drop")
+
+
+def _read(arrays, slots, *, layouts):
+  """One rank's cache rows `slots` of every array, as host memory holds
+  them."""
+  return tuple(lay.to_host(read_rows(a, slots))
+               for a, lay in zip(arrays, layouts))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -221,15 +229,12 @@ class HostStack:
                   stack.dtype)
         for kind in ("table",) + tuple(kinds[n] for n in self.slot_names))
     shard = functools.partial(jax.shard_map, mesh=self.mesh, check_vma=False)
-    self._swap = jax.jit(shard(
-        functools.partial(_swap, layouts=self._layouts),
-        in_specs=(self._specs, P(), self._part_spec, self._part_spec,
-                  self._specs, P(), P()),
-        out_specs=(self._specs, P(), self._specs)), donate_argnums=(0, 1))
+    self._write = jax.jit(shard(
+        functools.partial(_write, layouts=self._layouts),
+        in_specs=(self._specs, P(), self._part_spec, self._specs, P(), P()),
+        out_specs=(self._specs, P())), donate_argnums=(0, 1))
     self._read = jax.jit(shard(
-        lambda arrays, slots: tuple(
-            lay.to_host(read_rows(a, slots))
-            for a, lay in zip(arrays, self._layouts)),
+        functools.partial(_read, layouts=self._layouts),
         in_specs=(self._specs, self._part_spec), out_specs=self._specs))
 
   # --- views ---------------------------------------------------------------
@@ -322,9 +327,9 @@ class HostStack:
     slots_per_part = self.stack.local_rows
     dirty = [(a.evict_slots[a.dirty], a.evict_rows[a.dirty])
              for a in admitted]
-    n = _bucket(max(max(s.size for s, _ in dirty),
-                    max(a.fetch_slots.size for a in admitted)))
-    read_slots = _padded([s for s, _ in dirty], n, 0, np.int32)
+    # The reads and the writes have sizes of their own: a group of
+    # evictions does not pad the fetched rows sent to the devices.
+    n = _bucket(max(a.fetch_slots.size for a in admitted))
     write_slots = _padded([a.fetch_slots for a in admitted], n,
                           slots_per_part, np.int32)
     values = []
@@ -344,18 +349,23 @@ class HostStack:
     map_values = _padded([map_values], m, -1, np.int32)
     put = lambda x, spec: jax.device_put(x, NamedSharding(self.mesh, spec))
     values = tuple(put(v, s) for v, s in zip(values, self._specs))
-    index = (put(read_slots, self._part_spec),
-             put(write_slots, self._part_spec), put(map_rows, P()),
+    index = (put(write_slots, self._part_spec), put(map_rows, P()),
              put(map_values, P()))
-    arrays, cache_map, read = self._swap(
-        self._device_arrays(state), state.cache_map, index[0], index[1],
-        values, index[2], index[3])
+    arrays = self._device_arrays(state)
     to_host = 0
     if any(s.size for s, _ in dirty):
+      # Dispatched first: the device reads the rows before the writes.
+      n_read = _bucket(max(s.size for s, _ in dirty))
+      read_index = put(_padded([s for s, _ in dirty], n_read, 0, np.int32),
+                       self._part_spec)
+      read = self._read(arrays, read_index)
       for x in read:
         x.copy_to_host_async()
-      self._pending.append(([rows for _, rows in dirty], n, read))
+      self._pending.append(([rows for _, rows in dirty], n_read, read))
       to_host = sum(x.nbytes for x in read)
+      index += (read_index,)
+    arrays, cache_map = self._write(arrays, state.cache_map, index[0],
+                                    values, index[1], index[2])
     to_device = sum(_transferred(x) for x in values + index)
     return self._with_arrays(state, arrays, cache_map), to_device, to_host
 

@@ -491,6 +491,40 @@ class HostTierTest(parameterized.TestCase):
             x.nbytes for x in jax.tree.leaves(host.optimizer_arrays(state))
             if isinstance(x, np.ndarray)))
 
+  def test_the_swap_writes_the_cache_in_place(self):
+    """The prefetch's write program updates the donated cache arrays in
+    place: no copy of a cache array (in one program with the evicted
+    rows' reads, XLA copied each of them twice), and a group of evictions
+    does not pad the rows sent to the devices."""
+    host, _ = collections("column", cache_rows=28)
+    state = host.init(jax.random.key(0))
+    stack = state.host.stacks["stack0"]
+    writes, original = [], stack._write  # pylint: disable=protected-access
+    def recording(*args):
+      writes.append(jax.tree.map(
+          lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype,
+                                         sharding=x.sharding), args))
+      return original(*args)
+    stack._write = recording  # pylint: disable=protected-access
+    fetched = []
+    for step, (batch, _) in enumerate(batches(host, 3)):
+      state, stats = host.prefetch(state, batch)
+      fetched.append(stats["t"].fetched)
+      grads = grads_for(host.lookup(state, batch), step)
+      state, _ = host.apply_gradients(state, batch, grads)
+    self.assertLen(writes, 3)
+    arrays, _, write_slots, values = writes[-1][:4]
+    self.assertEqual(values[0].shape[0], write_slots.shape[0])
+    self.assertEqual(write_slots.shape[0],
+                     host_tier._bucket(fetched[-1]))  # pylint: disable=protected-access
+    compiled = original.lower(*writes[-1]).compile().as_text()
+    for array in arrays:
+      shard = array.sharding.shard_shape(array.shape)
+      shape = ",".join(map(str, shard))
+      copies = [line for line in compiled.splitlines()
+                if f"[{shape}]" in line and " copy(" in line]
+      self.assertEqual(copies, [], shape)
+
   def test_host_memory_is_freed_with_the_last_state(self):
     """jit keeps the static data of what it compiled for: it must not keep
     a host tier (its table in host memory) once no state holds it."""
