@@ -372,6 +372,47 @@ class HostTierTest(parameterized.TestCase):
     drun, _ = trainers[1].flush(drun)
     self.check_equal(host, device, hrun.embedding, drun.embedding, "end")
 
+  def test_the_trainer_checks_overflow_on_the_host_a_step_late(self):
+    """The host-tier step has no host callback in it (the devices would
+    wait for the host, busy with the next prefetch): the next step, or
+    flush, raises for the step before; nothing is dropped silently."""
+    spec = dict(optimizer=pe.Sgd(0.1), max_unique=2)
+    host = pe.EmbeddingCollection(
+        [pe.TableSpec("t", 60, 8, storage="host", cache_rows=40, **spec)],
+        [pe.FeatureSpec("seq", "t")], test_util.mesh({"x": 2}), "x")
+
+    def loss_fn(params, emb, batch):
+      del batch
+      return jnp.sum((emb["seq"].sum(1) @ params["w"]) ** 2), ()
+
+    fits = {"seq": np.array([[1, 1, 2]] * B, np.int32)}  # 2 distinct rows
+    over = {"seq": np.arange(B * SEQ, dtype=np.int32).reshape(B, SEQ)}
+    for pipelined in (True, False):
+      trainer = pe.Trainer(host, loss_fn, optax.sgd(0.1),
+                           pipelined=pipelined)
+      params = lambda: {"w": jnp.full((8, 1), 0.1)}
+      run = trainer.init(host.init(jax.random.key(0)), params(), fits)
+      run, _ = trainer.step(run, fits, fits)
+      run, _ = trainer.step(run, fits, fits)  # nothing over the cap
+      compiled = trainer._jitted_step.lower(  # pylint: disable=protected-access
+          run, fits, fits).as_text()
+      self.assertFalse("callback" in compiled,
+                       "a host callback in the host-tier step")
+      # A pipelined step looks up its next batch, and the step after the
+      # one that trains it applies its update; the step after raises.
+      steps = ([(fits, over), (over, fits), (fits, fits)] if pipelined
+               else [(over, fits)])
+      for batch, after in steps:
+        run, _ = trainer.step(run, batch, after)
+      with self.assertRaisesRegex(pe.UniqueOverflowError, r"max_unique"):
+        trainer.step(run, fits, fits)
+      # Flush raises for the last step, or applies the update over the cap.
+      run = trainer.init(host.init(jax.random.key(0)), params(), fits)
+      for batch, after in steps[:2]:
+        run, _ = trainer.step(run, batch, after)
+      with self.assertRaisesRegex(pe.UniqueOverflowError, r"max_unique"):
+        trainer.flush(run)
+
   def test_a_cache_too_small_is_an_error_before_anything_changes(self):
     host, _ = collections("row", cache_rows=8)
     state = test_util.random_state(host)
