@@ -310,7 +310,9 @@ class Trainer:
     embedding, stats = self.collection.apply_gradients(
         state.embedding, staged.routing, staged.emb_grads,
         pending=staged.pending)
-    if self.collection.host_tables and self._checks_overflow:
+    traced = any(isinstance(x, jax.core.Tracer)
+                 for x in jax.tree.leaves(stats))
+    if self.collection.host_tables and self._checks_overflow and not traced:
       self.collection.raise_if_overflow(stats)  # on the host, as the step
     else:
       stats = self._checked(stats)
