@@ -65,7 +65,7 @@ from pallas_emb.state import CollectionState
 from pallas_emb.state import StackState
 
 # Transfers are padded to a power of two of rows (at least this many), so
-# a table's swap program compiles once per size class, not per batch.
+# a table's swap programs compile once per size class, not per batch.
 MIN_TRANSFER_ROWS = 8
 
 
