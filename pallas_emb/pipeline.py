@@ -86,6 +86,11 @@ class _NotOurOverflow(logging.Filter):
 _OVERFLOW_FILTER = _NotOurOverflow()
 
 
+def _traced(tree) -> bool:
+  """Whether any leaf of `tree` is a tracer (we are under a jit)."""
+  return any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(tree))
+
+
 def _quiet_overflow_logs() -> None:
   logging.getLogger("jax._src.debugging").addFilter(_OVERFLOW_FILTER)
 
@@ -243,7 +248,7 @@ class Trainer:
     """Prefetch the batch this step looks up into the host-tier tables'
     caches (on the host: the previous step may still run), then the
     jitted step."""
-    if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(state)):
+    if _traced(state):
       raise InputError(
           f"pallas_emb Trainer.step was traced (under jax.jit?), but host-"
           f"tier tables {list(self.collection.host_tables)} move rows "
@@ -310,9 +315,8 @@ class Trainer:
     embedding, stats = self.collection.apply_gradients(
         state.embedding, staged.routing, staged.emb_grads,
         pending=staged.pending)
-    traced = any(isinstance(x, jax.core.Tracer)
-                 for x in jax.tree.leaves(stats))
-    if self.collection.host_tables and self._checks_overflow and not traced:
+    if (self.collection.host_tables and self._checks_overflow
+        and not _traced(stats)):
       self.collection.raise_if_overflow(stats)  # on the host, as the step
     else:
       stats = self._checked(stats)
