@@ -405,6 +405,25 @@ def main(argv):
       probe(f"xla_rowstate_gather_scatter {tag}",
             jax.jit(lambda s, i: s.at[i].set(s[i] + 1.0, mode="drop"),
                     donate_argnums=0), state, uu, donate_first=True, **rep)
+      # The same `[V]` writes and reads, a chunk of the update's row-wise
+      # part (8,192 slots) and all of them, told the indices are unique
+      # (and sorted) or not.
+      state = jnp.zeros((vocab,), jnp.float32)
+      for m in (8192, u):
+        part = uu[:m]
+        for hint, kw in (("", {}), ("_unique", dict(unique_indices=True)),
+                         ("_unique_sorted", dict(unique_indices=True,
+                                                 indices_are_sorted=True))):
+          state = probe(
+              f"xla_rowstate_scatter{hint} {tag} m={m}",
+              jax.jit(lambda s, i, kw=kw: s.at[i].set(
+                  i.astype(s.dtype), mode="drop", **kw), donate_argnums=0),
+              state, part, donate_first=True, **rep)
+          state = jnp.zeros((vocab,), jnp.float32) if state is None else (
+              state)
+          probe(f"xla_rowstate_gather{hint} {tag} m={m}",
+                jax.jit(lambda s, i, kw=kw: s.at[i].get(
+                    mode="fill", fill_value=0, **kw)), state, part, **rep)
     del table, narrow
   # dense reference: optax-like adagrad over a 1M x 64 table
   if not smoke:

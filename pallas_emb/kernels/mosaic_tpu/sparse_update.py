@@ -22,6 +22,7 @@ import functools
 from typing import Any, Sequence
 
 import jax
+from jax import lax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
@@ -38,14 +39,18 @@ ROW_CHUNK = 8192
 
 def _kernel(live_ref,  # scalar prefetch: [1] blocks with a used slot
             reads_ref, reads_next_ref, dest_ref,  # SMEM [1, R] blocks
-            grad_ref, coeffs_ref,  # VMEM [R, G], [R, c] blocks
-            scalars_ref,  # SMEM [k]
-            *refs, rule, num_coeffs, num_scalars, block, words):
+            grad_ref,  # VMEM [R, G] block
+            *refs, rule, num_coeffs, coeff_inputs, num_scalars, block,
+            words):
+  # SMEM [1, R] blocks, a coefficient's each (one of zeros if none).
+  coeff_refs = refs[:num_coeffs]
+  scalars_ref = refs[coeff_inputs]  # SMEM [k]
+  refs = refs[coeff_inputs + 1:]
   num_states = 1 + len(rule.element_slots)
   states = refs[:num_states]  # HBM: the table, element-wise states
   outs = refs[num_states:2 * num_states]  # the same buffers (aliased)
   tiles = refs[2 * num_states:3 * num_states]  # VMEM [2, R, *] each
-  read_sem, write_sem, started = refs[3 * num_states:]
+  read_sem, write_sem, started, columns = refs[3 * num_states:]
   i, live = pl.program_id(0), live_ref[0]
   slot = i % 2
 
@@ -74,7 +79,19 @@ def _kernel(live_ref,  # scalar prefetch: [1] blocks with a used slot
     for state, tile in zip(states, tiles):
       dma.wait_tile(state, tile.at[slot], read_sem.at[slot])
 
-    coeffs = tuple(coeffs_ref[:, j:j + 1] for j in range(num_coeffs))
+    # The coefficients arrive one per row in SMEM (lane-dense in HBM; an
+    # `[R, c]` array would pad each row to 128 lanes there): each becomes
+    # a column of a VMEM tile.
+    def spread(k, carry):
+      for u in range(dma.UNROLL):
+        r = k * dma.UNROLL + u
+        for j, ref in enumerate(coeff_refs):
+          columns[j, pl.ds(r, 1), :] = jnp.full(
+              (1, columns.shape[2]), ref[0, r], jnp.float32)
+      return carry
+    if num_coeffs:
+      lax.fori_loop(0, block // dma.UNROLL, spread, 0)
+    coeffs = tuple(columns[j][:, 0:1] for j in range(num_coeffs))
     scalars = tuple(scalars_ref[j] for j in range(num_scalars))
     table_tile, element_tiles = tiles[0].at[slot], [t.at[slot]
                                                     for t in tiles[1:]]
@@ -113,11 +130,12 @@ def _kernel(live_ref,  # scalar prefetch: [1] blocks with a used slot
 
 
 def _row_part(rule, vocab_rows, row_state, unique_tokens, row_sq, apply,
-              step, scalars, emb_width):
+              step, scalars, emb_width, size):
   """The row-wise part of the update on the used slots (see
-  `reference.touched_row_state`): `(row_state, dest [U], coeffs [U, c])`,
-  dest -1 for a slot that is not updated. The slots are visited a chunk at
-  a time up to the last used one: the buffer holds a slot per id."""
+  `reference.touched_row_state`): `(row_state, dest [U], coeffs)`, dest -1
+  for a slot that is not updated, coeffs c arrays `[size]` (`size` >= U;
+  zeros past U). The slots are visited a chunk at a time up to the last
+  used one: the buffer holds a slot per id."""
   num_slots = unique_tokens.shape[0]
   tokens = common.wrap_once(unique_tokens, vocab_rows)
   used = (tokens >= 0) & (tokens < vocab_rows)
@@ -143,14 +161,15 @@ def _row_part(rule, vocab_rows, row_state, unique_tokens, row_sq, apply,
     here = jnp.where(part.ok, part.rows, -1).astype(jnp.int32)
     dest = jax.lax.dynamic_update_slice_in_dim(
         dest, jnp.where(fresh, here, take(dest)), start, 0)
-    values = (jnp.stack(part.coeffs, axis=1).astype(jnp.float32)
-              if part.coeffs else jnp.zeros((chunk, 1), jnp.float32))
-    coeffs = jax.lax.dynamic_update_slice_in_dim(
-        coeffs, jnp.where(fresh[:, None], values, take(coeffs)), start, 0)
+    values = part.coeffs or (jnp.zeros((chunk,), jnp.float32),)
+    coeffs = tuple(
+        jax.lax.dynamic_update_slice_in_dim(
+            c, jnp.where(fresh, v.astype(jnp.float32), take(c)), start, 0)
+        for c, v in zip(coeffs, values))
     return row_state, dest, coeffs
 
   carry = (tuple(row_state), jnp.full((num_slots,), -1, jnp.int32),
-           jnp.zeros((num_slots, num_coeffs), jnp.float32))
+           tuple(jnp.zeros((size,), jnp.float32) for _ in range(num_coeffs)))
   carry = xla._over_used_chunks(  # pylint: disable=protected-access
       body, num_slots, extent, carry, chunk)
   return carry, extent, len(probe.coeffs)
@@ -189,17 +208,16 @@ def sparse_update(rule, table: jax.Array, row_state: Sequence[jax.Array],
     return table, row_state, element_state
   if row_sq.shape[0] == num_unique + 1:
     row_sq = row_sq[:num_unique]
-  (row_state, dest, coeffs), extent, num_coeffs = _row_part(
-      rule, vocab_rows, row_state, unique_tokens, row_sq, apply, step,
-      scalars, emb_width)
   copies = 2 * (1 + len(element_state)) * (2 if words else 1)
   block = dma.block_rows(num_unique, 4 * grad_width, copies=copies)
   num_blocks = pl.cdiv(num_unique, block)
   size = num_blocks * block
+  (row_state, dest, coeffs), extent, num_coeffs = _row_part(
+      rule, vocab_rows, row_state, unique_tokens, row_sq, apply, step,
+      scalars, emb_width, size)
   dest = dma.padded(dest, size, -1)
   reads = jnp.maximum(dest, 0)
   grad = dma.padded(grad_accum.astype(jnp.float32), size, 0.0)
-  coeffs = dma.padded(coeffs, size, 0.0)
   scalar_array = (jnp.stack(scalars) if scalars
                   else jnp.zeros((1,), jnp.float32))
   live = jnp.reshape((extent + block - 1) // block, (1,)).astype(jnp.int32)
@@ -212,10 +230,13 @@ def sparse_update(rule, table: jax.Array, row_state: Sequence[jax.Array],
           jnp.maximum(jnp.minimum(i + ahead, live[0] - 1), 0), 0, 0),
       memory_space=pltpu.SMEM)
   any_spec = pl.BlockSpec(memory_space=pl.ANY)
-  inputs = (dma.smem_blocks(reads, block), dma.smem_blocks(reads, block),
-            dma.smem_blocks(dest, block), grad, coeffs, scalar_array)
+  inputs = ((dma.smem_blocks(reads, block), dma.smem_blocks(reads, block),
+             dma.smem_blocks(dest, block), grad)
+            + tuple(dma.smem_blocks(c, block) for c in coeffs)
+            + (scalar_array,))
   outs = pl.pallas_call(
       functools.partial(_kernel, rule=rule, num_coeffs=num_coeffs,
+                        coeff_inputs=len(coeffs),
                         num_scalars=len(scalars), block=block, words=words),
       out_shape=tuple(jax.ShapeDtypeStruct(s.shape, s.dtype) for s in states),
       grid_spec=pltpu.PrefetchScalarGridSpec(
@@ -223,16 +244,17 @@ def sparse_update(rule, table: jax.Array, row_state: Sequence[jax.Array],
           grid=(num_blocks,),
           in_specs=[smem(0), smem(1), smem(0),
                     pl.BlockSpec((block, grad_width),
-                                 lambda i, live: (clamp(i, live), 0)),
-                    pl.BlockSpec((block, coeffs.shape[1]),
-                                 lambda i, live: (clamp(i, live), 0)),
-                    pl.BlockSpec(memory_space=pltpu.SMEM)]
+                                 lambda i, live: (clamp(i, live), 0))]
+                   + [smem(0)] * len(coeffs)
+                   + [pl.BlockSpec(memory_space=pltpu.SMEM)]
                    + [any_spec] * len(states),
           out_specs=tuple(any_spec for _ in states),
           scratch_shapes=(
               [pltpu.VMEM((2, block, s.shape[1]), s.dtype) for s in states]
               + [pltpu.SemaphoreType.DMA((2,)), pltpu.SemaphoreType.DMA((2,)),
-                 pltpu.SMEM((2,), jnp.int32)])),
+                 pltpu.SMEM((2,), jnp.int32),
+                 pltpu.VMEM((len(coeffs), block, stored.LANES),
+                            jnp.float32)])),
       # The first operand (index 0) is the scalar prefetch.
       input_output_aliases={1 + len(inputs) + i: i
                             for i in range(len(states))},
