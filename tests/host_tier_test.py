@@ -15,6 +15,7 @@ checks the host tier against the model directly. The cache directory
 
 import gc
 import tempfile
+import time
 import weakref
 from unittest import mock
 
@@ -309,6 +310,45 @@ class HostTierTest(parameterized.TestCase):
                                  dstats["stack0"].norm, rtol=1e-6)
       self.check_equal(host, device, hstate, dstate, f"step {step}")
     self.assertGreater(written, 0)
+
+  def test_a_row_on_its_way_back_is_waited_for(self):
+    """Write-backs land on a thread of their own, here late: a prefetch
+    that fetches a row still on its way to host memory waits for it, and
+    the steps still equal the device table's bit for bit."""
+    land = host_tier.HostStack._land  # pylint: disable=protected-access
+    waits = []
+
+    def late(stack, *args):
+      time.sleep(0.2)
+      land(stack, *args)
+
+    def wait_for_rows(stack, rows):
+      # pylint: disable-next=protected-access
+      waits.append(bool(stack._pending) and any(
+          l[r].any() for l, r in zip(stack._leaving, rows)))
+      wait(stack, rows)
+
+    wait = host_tier.HostStack._wait_for_rows  # pylint: disable=protected-access
+    self.enter_context(mock.patch.object(host_tier.HostStack, "_land", late))
+    self.enter_context(mock.patch.object(host_tier.HostStack,
+                                         "_wait_for_rows", wait_for_rows))
+    host, device = collections("column", "lru", pe.RowwiseAdagrad(0.1),
+                               cache_rows=28)
+    hstate, dstate = same_start(host, device)
+    # Two batches in turn: each evicts rows the other reads next.
+    pair = [b for b, _ in batches(host, 2, seed=3)]
+    for step, batch in enumerate(pair * 3):
+      hstate, _ = host.prefetch(hstate, batch)
+      # (Not `table_arrays` between steps: it flushes, waiting for all.)
+      demb = device.lookup(dstate, batch)
+      for name, got in host.lookup(hstate, batch).items():
+        test_util.assert_bits_equal(self, got, demb[name],
+                                    f"step {step} {name}")
+      grads = grads_for(demb, step)
+      hstate, _ = host.apply_gradients(hstate, batch, grads)
+      dstate, _ = device.apply_gradients(dstate, batch, grads)
+    self.assertIn(True, waits)  # some fetch met a row on its way
+    self.check_equal(host, device, hstate, dstate, "end")
 
   def test_against_the_numpy_model(self):
     host, _ = collections("column", "lfu", pe.RowwiseAdagrad(0.1),
