@@ -13,8 +13,14 @@ batch's distinct rows and says what must move:
             came in (ties: the least recently used)
 
 Evictions come in groups of at least `slots // EVICT_FRACTION` rows (or as
-many as needed), so the O(slots) scan for victims runs once per group, not
-once per batch. An evicted row that a batch trained since it came in is
+many as needed). LRU finds them in a log of the slots each batch used, in
+the order of use, from its oldest end: a slot's entry whose clock is no
+longer the slot's stamp is stale (the slot was used again, or emptied) and
+is dropped as the log is read, so the work follows the rows the batches
+read, not O(slots) a group (docs/host_tier.md has the figures); the log
+is compacted to one entry per cached slot when it outgrows `LOG_SLOTS`
+times the slots. LFU ranks every cached slot by its count in one
+O(slots) scan per group. An evicted row that a batch trained since it came in is
 *dirty*: the caller copies it back to host memory before anything reads
 it there. LFU counts halve at every eviction pass (older popularity fades)
 and start again from the batch's count when a row comes back in.
@@ -26,6 +32,7 @@ rows pinned by the batches in flight, need more than `slots` slots is a
 
 from __future__ import annotations
 
+import collections
 from typing import NamedTuple
 
 import numpy as np
@@ -35,6 +42,8 @@ from pallas_emb.errors import InputError
 POLICIES = ("lru", "lfu")
 # Evict at least this fraction of the slots per pass (see module doc).
 EVICT_FRACTION = 32
+# The LRU log is compacted when it holds this many times the slots.
+LOG_SLOTS = 3
 _STAMP_BITS = 32
 
 
@@ -87,6 +96,10 @@ class RowCache:
     self._free = np.arange(slots, dtype=np.int32)[::-1].copy()
     self._num_free = int(slots)
     self.clock = 0
+    # LRU: (clock, slots used at that clock), oldest first; its length.
+    self._log = collections.deque()
+    self._log_size = 0
+    self._excluded = np.zeros(slots, bool)  # scratch: pinned or in the batch
 
   @property
   def cached(self) -> int:
@@ -145,6 +158,11 @@ class RowCache:
     self.stamp[slots] = self.clock
     self.count[slots] += np.asarray(counts, np.int64)
     self.dirty[slots[np.asarray(trains, bool)]] = True
+    if self.policy == "lru" and slots.size:
+      self._log.append((self.clock, slots.astype(np.int32)))
+      self._log_size += slots.size
+      if self._log_size > LOG_SLOTS * self.num_slots:
+        self._compact_log()
     self.clock += 1
     return Admission(slots, int(np.count_nonzero(hit)), misses, fetch_slots,
                      evict_rows, evict_slots, dirty)
@@ -161,32 +179,68 @@ class RowCache:
   def _victims(self, k: int, hit_slots, pinned, rows, what) -> np.ndarray:
     """At least `k` slots to evict (a group, see the module doc), none of
     them pinned or read by the batch; CacheTooSmall if there are fewer."""
-    evictable = self.slot_row >= 0
-    evictable[np.asarray(pinned, np.int64)] = False
-    evictable[hit_slots] = False
-    candidates = np.flatnonzero(evictable)
-    if candidates.size < k:
+    pinned = np.asarray(pinned, np.int64)
+    excluded = self._excluded  # a mask, cleared again below
+    excluded[pinned[self.slot_row[pinned] >= 0]] = True
+    excluded[hit_slots] = True
+    evictable = self.cached - np.count_nonzero(excluded)
+    if evictable < k:
+      excluded[pinned] = excluded[hit_slots] = False
       needed = self.needed(rows, pinned)
       raise CacheTooSmall(
           f"pallas_emb {what} needs {needed} rows resident at once (this "
           f"batch's {rows.size} distinct rows and those of the batches in "
           f"flight) but holds {self.num_slots}; raise cache_rows or use "
           "smaller batches.", needed, self.num_slots)
-    group = min(candidates.size,
-                max(k, self.num_slots // EVICT_FRACTION))
-    stamp = self.stamp[candidates]
-    if self.policy == "lfu":
-      count = np.minimum(self.count[candidates], 2**(62 - _STAMP_BITS))
-      key = (count << _STAMP_BITS) | (stamp & (2**_STAMP_BITS - 1))
-    else:
-      key = stamp
-    if group < candidates.size:
-      victims = candidates[np.argpartition(key, group - 1)[:group]]
-    else:
-      victims = candidates
-    if self.policy == "lfu":
-      self.count >>= 1  # aging: every eviction pass halves the counts
+    group = min(evictable, max(k, self.num_slots // EVICT_FRACTION))
+    try:
+      if self.policy == "lru":
+        victims = self._least_recent(group)
+      else:
+        victims = self._least_frequent(group)
+    finally:
+      excluded[pinned] = excluded[hit_slots] = False
     return np.sort(victims).astype(np.int32)
+
+  def _least_recent(self, group: int) -> np.ndarray:
+    """The `group` least recently used evictable slots, from the log's
+    oldest end (ties: in the order the batch listed its rows)."""
+    taken, kept = [], []
+    while group:
+      clock, entry = self._log.popleft()
+      self._log_size -= entry.size
+      entry = entry[(self.stamp[entry] == clock) & (self.slot_row[entry] >= 0)]
+      free = np.flatnonzero(~self._excluded[entry])[:group]
+      taken.append(entry[free])
+      group -= free.size
+      rest = np.delete(entry, free)
+      if rest.size:
+        kept.append((clock, rest))
+        self._log_size += rest.size
+    self._log.extendleft(reversed(kept))
+    return np.concatenate(taken)
+
+  def _least_frequent(self, group: int) -> np.ndarray:
+    """The `group` evictable slots of the fewest counts (ties: the least
+    recently used), by one scan of the slots; the counts then halve."""
+    candidates = np.flatnonzero((self.slot_row >= 0) & ~self._excluded)
+    count = np.minimum(self.count[candidates], 2**(62 - _STAMP_BITS))
+    key = (count << _STAMP_BITS) | (self.stamp[candidates]
+                                    & (2**_STAMP_BITS - 1))
+    if group < candidates.size:
+      candidates = candidates[np.argpartition(key, group - 1)[:group]]
+    self.count >>= 1  # aging: every eviction pass halves the counts
+    return candidates
+
+  def _compact_log(self) -> None:
+    """The LRU log without its stale entries: one per cached slot."""
+    log = collections.deque()
+    for clock, entry in self._log:
+      entry = entry[(self.stamp[entry] == clock) & (self.slot_row[entry] >= 0)]
+      if entry.size:
+        log.append((clock, entry))
+    self._log = log
+    self._log_size = sum(entry.size for _, entry in log)
 
   def _push(self, slots: np.ndarray) -> None:
     n = slots.size

@@ -151,6 +151,41 @@ class RowCacheTest(absltest.TestCase):
     got = self.admit(cache, [5, 6], pinned=first.slots)
     self.assertEqual(sorted(got.evict_rows), [3, 4])
 
+  def test_lru_victims_are_the_oldest_stamps(self):
+    """Against a scan of every slot: each group of LRU victims (read from
+    the log, with its stale entries or compacted at every batch) holds no
+    slot used after an evictable slot that stays, and is as large as the
+    group rule says."""
+    for log_slots in (row_cache.LOG_SLOTS, 1):
+      with mock.patch.object(row_cache, "LOG_SLOTS", log_slots):
+        self.check_lru_victims()
+
+  def check_lru_victims(self):
+    rng = np.random.default_rng(0)
+    cache = row_cache.RowCache(64, 400, "lru")
+    pinned, groups = np.zeros(0, np.int32), 0
+    for _ in range(60):
+      rows = np.unique(rng.zipf(1.3, 30) % 400)
+      stamp, slot_row = cache.stamp.copy(), cache.slot_row.copy()
+      hits = cache.slots_of(rows)
+      free = cache.num_slots - cache.cached
+      got = self.admit(cache, rows, pinned)
+      misses = int(np.count_nonzero(hits < 0))
+      if misses > free:
+        groups += 1
+        stay = (slot_row >= 0)
+        stay[got.evict_slots] = stay[pinned] = stay[hits[hits >= 0]] = False
+        evictable = int(np.count_nonzero(stay)) + got.evict_slots.size
+        self.assertEqual(got.evict_slots.size,
+                         min(evictable, max(misses - free, 64 // 32)))
+        if stay.any():
+          self.assertLessEqual(stamp[got.evict_slots].max(),
+                               stamp[stay].min())
+      else:
+        self.assertEqual(got.evict_slots.size, 0)
+      pinned = got.slots
+    self.assertGreater(groups, 10)
+
   def test_evicts_a_group_per_pass(self):
     cache = row_cache.RowCache(64, 1000, "lru")
     self.admit(cache, np.arange(64))
@@ -667,6 +702,20 @@ class BenchTest(absltest.TestCase):
     self.assertGreater(record["device"]["step_s"], 0)
     self.assertIn("numpy_device_put_s", record["gathers"])
 
+
+  def test_row_cache_bench_runs_small(self):
+    """`python -m bench.row_cache` at tiny sizes, beside itself as the
+    baseline: the same batches, so the same directory at the end."""
+    with tempfile.TemporaryDirectory() as tmp:
+      doc, stdout = test_util.run_program("bench.row_cache", [
+          "--rows=20000", "--slots=4096", "--ids=2048", "--batches=20",
+          f"--baseline={row_cache.__file__}"], tmp)
+    self.assertIn("an admission that evicts", stdout)
+    ours, baseline = doc["results"]["row_cache"], doc["results"]["baseline"]
+    self.assertGreater(ours["evicting"], 0)
+    self.assertGreater(ours["evicting_s"], 0)
+    self.assertEqual(ours["cached"], baseline["cached"])
+    self.assertEqual(ours["evicting"], baseline["evicting"])
 
 if __name__ == "__main__":
   absltest.main()
