@@ -32,9 +32,11 @@ An evicted row that changed is copied into host memory on a thread of its
 own (`_start_write_back`), beside the steps that follow; a prefetch that
 fetches a row still on its way there waits for it first
 (`_wait_for_rows`), so a row that comes back reads its latest values, and
-`flush` (checkpoints, serving, `table_arrays`) waits for every one. The step itself translates each entry's logical row to its
-cache row through the map (`per_rank.cache_keys`), after the id rules, so
-the dedup, the gather and the update run on cache rows as on any stack.
+`flush` (checkpoints, serving, `table_arrays`) waits for every one.
+
+The step itself translates each entry's logical row to its cache row
+through the map (`per_rank.cache_keys`), after the id rules, so the dedup,
+the gather and the update run on cache rows as on any stack.
 
 Every read and write of a cache row goes through `read_rows` and
 `write_rows` (per rank, on the rank's shard), the one place that knows how

@@ -20,10 +20,12 @@ is dropped as the log is read, so the work follows the rows the batches
 read, not O(slots) a group (docs/host_tier.md has the figures); the log
 is compacted to one entry per cached slot when it outgrows `LOG_SLOTS`
 times the slots. LFU ranks every cached slot by its count in one
-O(slots) scan per group. An evicted row that a batch trained since it came in is
-*dirty*: the caller copies it back to host memory before anything reads
-it there. LFU counts halve at every eviction pass (older popularity fades)
-and start again from the batch's count when a row comes back in.
+O(slots) scan per group.
+
+An evicted row that a batch trained since it came in is *dirty*: the
+caller copies it back to host memory before anything reads it there. LFU
+counts halve at every eviction pass (older popularity fades) and start
+again from the batch's count when a row comes back in.
 
 `admit` checks before it changes anything: a batch whose rows, with the
 rows pinned by the batches in flight, need more than `slots` slots is a

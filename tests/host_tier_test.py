@@ -350,7 +350,9 @@ class HostTierTest(parameterized.TestCase):
     """Write-backs land on a thread of their own, here late: a prefetch
     that fetches a row still on its way to host memory waits for it, and
     the steps still equal the device table's bit for bit."""
-    land = host_tier.HostStack._land  # pylint: disable=protected-access
+    # pylint: disable=protected-access
+    land = host_tier.HostStack._land
+    wait = host_tier.HostStack._wait_for_rows
     waits = []
 
     def late(stack, *args):
@@ -358,12 +360,10 @@ class HostTierTest(parameterized.TestCase):
       land(stack, *args)
 
     def wait_for_rows(stack, rows):
-      # pylint: disable-next=protected-access
       waits.append(bool(stack._pending) and any(
           l[r].any() for l, r in zip(stack._leaving, rows)))
       wait(stack, rows)
 
-    wait = host_tier.HostStack._wait_for_rows  # pylint: disable=protected-access
     self.enter_context(mock.patch.object(host_tier.HostStack, "_land", late))
     self.enter_context(mock.patch.object(host_tier.HostStack,
                                          "_wait_for_rows", wait_for_rows))
