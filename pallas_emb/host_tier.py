@@ -321,12 +321,12 @@ class HostStack:
             f"those of the {len(recent)} batches still in flight){where}. "
             f"Raise cache_rows to at least {needed * self.parts}, or use "
             "smaller batches.")
-    hit = np.zeros(rows.size, bool)
-    for r, (idx, local) in enumerate(parts):
-      hit[idx] = self.caches[r].slots_of(local) >= 0
     admitted = [self.caches[r].admit(local, counts[idx],
                                      trains[idx] & train, pinned[r])
                 for r, (idx, local) in enumerate(parts)]
+    hit = np.zeros(rows.size, bool)
+    for (idx, _), a in zip(parts, admitted):
+      hit[idx] = a.hit
     if train:
       self.recent.append([a.slots for a in admitted])
     stats = dict(rows=int(rows.size), hits=sum(a.hits for a in admitted),
@@ -367,23 +367,27 @@ class HostStack:
     m = _bucket(map_rows.size)
     map_rows = _padded([map_rows], m, self.table.shape[0], np.int32)
     map_values = _padded([map_values], m, -1, np.int32)
-    put = lambda x, spec: jax.device_put(x, NamedSharding(self.mesh, spec))
-    values = tuple(put(v, s) for v, s in zip(values, self._specs))
-    index = (put(write_slots, self._part_spec), put(map_rows, P()),
-             put(map_values, P()))
+    index = [write_slots, map_rows, map_values]
+    specs = [self._part_spec, P(), P()]
+    if any(s.size for s, _ in dirty):
+      n_read = _bucket(max(s.size for s, _ in dirty))
+      index.append(_padded([s for s, _ in dirty], n_read, 0, np.int32))
+      specs.append(self._part_spec)
+    # One call for every transfer of the swap: a call costs more than most
+    # of these arrays' bytes.
+    sharding = lambda specs: tuple(NamedSharding(self.mesh, s) for s in specs)
+    values, index = jax.device_put((tuple(values), tuple(index)),
+                                   (sharding(self._specs), sharding(specs)))
     arrays = self._device_arrays(state)
     to_host = 0
-    if any(s.size for s, _ in dirty):
+    if len(index) > 3:
       # Dispatched first: the device reads the rows before the writes.
-      n_read = _bucket(max(s.size for s, _ in dirty))
-      read_index = put(_padded([s for s, _ in dirty], n_read, 0, np.int32),
-                       self._part_spec)
+      read_index = index[3]
       read = self._read(arrays, read_index)
       for x in read:
         x.copy_to_host_async()
       self._start_write_back([rows for _, rows in dirty], n_read, read)
       to_host = sum(x.nbytes for x in read)
-      index += (read_index,)
     arrays, cache_map = self._write(arrays, state.cache_map, index[0],
                                     values, index[1], index[2])
     to_device = sum(_transferred(x) for x in values + index)

@@ -65,6 +65,7 @@ class Admission(NamedTuple):
 
   slots: int32, the cache slot of each of the batch's rows (in the order
     given), after the batch is admitted.
+  hit: bool, whether each of the batch's rows was cached already.
   hits: how many of the batch's rows were cached already.
   fetch_rows, fetch_slots: the misses and the free slots they go to.
   evict_rows, evict_slots: the rows that left and the slots they held.
@@ -72,6 +73,7 @@ class Admission(NamedTuple):
     (its values must be copied back to host memory).
   """
   slots: np.ndarray
+  hit: np.ndarray
   hits: int
   fetch_rows: np.ndarray
   fetch_slots: np.ndarray
@@ -92,7 +94,8 @@ class RowCache:
     self.row_slot = np.full(rows, -1, np.int32)
     self.slot_row = np.full(slots, -1, np.int32)
     self.stamp = np.zeros(slots, np.int64)     # the clock at its last use
-    self.count = np.zeros(slots, np.int64)     # LFU: ids read since it came
+    # LFU: ids read since it came in (LRU keeps none).
+    self.count = np.zeros(slots if policy == "lfu" else 0, np.int64)
     self.dirty = np.zeros(slots, bool)
     # A stack of free slots, popped from the end: 0, 1, 2, ... first.
     self._free = np.arange(slots, dtype=np.int32)[::-1].copy()
@@ -153,21 +156,22 @@ class RowCache:
     fetch_slots = self._pop(n)
     self.row_slot[misses] = fetch_slots
     self.slot_row[fetch_slots] = misses
-    self.count[fetch_slots] = 0
     slots = slots.copy()
     slots[~hit] = fetch_slots
-    # Use, frequency and dirt of every row of the batch.
+    # Use, frequency and dirt of every row of the batch (counts: LFU's).
     self.stamp[slots] = self.clock
-    self.count[slots] += np.asarray(counts, np.int64)
     self.dirty[slots[np.asarray(trains, bool)]] = True
-    if self.policy == "lru" and slots.size:
-      self._log.append((self.clock, slots.astype(np.int32)))
+    if self.policy == "lfu":
+      self.count[fetch_slots] = 0
+      self.count[slots] += np.asarray(counts, np.int64)
+    elif slots.size:
+      self._log.append((self.clock, slots))
       self._log_size += slots.size
       if self._log_size > LOG_SLOTS * self.num_slots:
         self._compact_log()
     self.clock += 1
-    return Admission(slots, int(np.count_nonzero(hit)), misses, fetch_slots,
-                     evict_rows, evict_slots, dirty)
+    return Admission(slots, hit, rows.size - n,
+                     misses, fetch_slots, evict_rows, evict_slots, dirty)
 
   def clean(self, slots: np.ndarray) -> None:
     """Marks `slots` as copied back to host memory."""
