@@ -116,7 +116,8 @@ def _dma_gather(table, ids, interpret):
   return out[:num_ids]
 
 
-def _pool_kernel(rows_ref, next_ref, *refs, block, max_len, words, masked):
+def _pool_kernel(rows_ref, next_ref, *refs, block, max_len, words, masked,
+                 grads_width):
   # valid_ref (masked only), weights_ref, table, out_ref, tile, sem
   valid_ref = refs[0] if masked else None
   weights_ref, table, out_ref, tile, sem = refs[1 if masked else 0:]
@@ -138,7 +139,8 @@ def _pool_kernel(rows_ref, next_ref, *refs, block, max_len, words, masked):
   zeros = jnp.zeros((block, table.shape[1]), jnp.float32)
   sums = lax.fori_loop(0, max_len, add_entry,
                        (zeros, zeros) if words else (zeros,))
-  out_ref[...] = jnp.concatenate(sums, axis=1) if words else sums[0]
+  out_ref[...] = (stored.join_grads(*sums, grads_width, pltpu.roll)
+                  if words else sums[0])
 
 
 def _static_starts(bag_starts):
@@ -203,7 +205,8 @@ def dense_entries(rows, weights, bag_starts, *, max_len: int, block: int):
           blocked(dense_weights))
 
 
-def _xla_pool(table, rows, valid, weights, packed: bool) -> jax.Array:
+def _xla_pool(table, rows, valid, weights, packed: bool,
+              grads_width: int) -> jax.Array:
   """The kernel's sums by XLA: `rows`, `valid` (or None), `weights`
   `[max_len, M]`, entry position k of every bag in row k; per position, a
   gather of the bags' stored rows, added in position order."""
@@ -227,7 +230,7 @@ def _xla_pool(table, rows, valid, weights, packed: bool) -> jax.Array:
       sums = add_entry(k, sums)
   else:
     sums = lax.fori_loop(0, max_len, add_entry, sums)
-  return jnp.concatenate(sums, axis=1) if packed else sums[0]
+  return stored.join_grads(*sums, grads_width) if packed else sums[0]
 
 
 def pool_rows(table: jax.Array, rows: jax.Array, weights: jax.Array,
@@ -259,6 +262,7 @@ def pool_rows(table: jax.Array, rows: jax.Array, weights: jax.Array,
   dense_rows, valid, dense_weights = dense_entries(
       rows, weights, bag_starts, max_len=max_len, block=block)
   packed = table.dtype == stored.WORD
+  grads_width = stored.grad_width(width, dtype)
   method = method or POOL_METHOD
   if method == "auto":
     method = "xla" if max_len <= XLA_POOL_UNROLL else "dma"
@@ -266,22 +270,22 @@ def pool_rows(table: jax.Array, rows: jax.Array, weights: jax.Array,
     by_position = lambda x: None if x is None else x.reshape(
         num_blocks, max_len, block).transpose(1, 0, 2).reshape(max_len, -1)
     sums = _xla_pool(table, by_position(dense_rows), by_position(valid),
-                     by_position(dense_weights), packed)
+                     by_position(dense_weights), packed, grads_width)
     return stored.from_grads(sums[:num_bags], width, dtype).astype(out_dtype)
   masked = valid is not None
   column = pl.BlockSpec((entries, 1), lambda i: (i, 0))
   sums = pl.pallas_call(
       functools.partial(_pool_kernel, block=block, max_len=max_len,
-                        words=packed, masked=masked),
-      out_shape=jax.ShapeDtypeStruct(
-          (num_blocks * block, words_ * (2 if packed else 1)), jnp.float32),
+                        words=packed, masked=masked,
+                        grads_width=grads_width),
+      out_shape=jax.ShapeDtypeStruct((num_blocks * block, grads_width),
+                                     jnp.float32),
       grid=(num_blocks,),
       in_specs=[dma.smem_block(entries),
                 dma.smem_block(entries, ahead=1, num_blocks=num_blocks)]
                + [column] * (2 if masked else 1)
                + [pl.BlockSpec(memory_space=pl.ANY)],
-      out_specs=pl.BlockSpec(
-          (block, words_ * (2 if packed else 1)), lambda i: (i, 0)),
+      out_specs=pl.BlockSpec((block, grads_width), lambda i: (i, 0)),
       scratch_shapes=[pltpu.VMEM((2, entries, words_), table.dtype),
                       pltpu.SemaphoreType.DMA((2,))],
       compiler_params=dma.compiler_params("arbitrary"),

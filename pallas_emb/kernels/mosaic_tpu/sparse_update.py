@@ -98,17 +98,23 @@ def _kernel(live_ref,  # scalar prefetch: [1] blocks with a used slot
     grad = grad_ref[...]
     element = {n: t[...] for n, t in zip(rule.element_slots, element_tiles)}
     if words:  # bf16 words: the low and the high halves on their own
-      half = table_tile.shape[1]
-      parts = []
-      for at, values in zip((slice(0, half), slice(half, 2 * half)),
-                            stored.unpack(table_tile[...])):
-        parts.append(rule.column_update(
-            coeffs, values, grad[:, at],
-            {n: e[:, at] for n, e in element.items()}, scalars,
-            jnp.bfloat16))
-      table_tile[...] = stored.pack(parts[0][0], parts[1][0])
-      new_element = {n: jnp.concatenate([parts[0][1][n], parts[1][1][n]],
-                                        axis=1) for n in element}
+      old = table_tile[...]
+      split = lambda x: stored.split_grads(x, old.shape[1], pltpu.roll)
+      grads = split(grad)
+      elements = {n: split(e) for n, e in element.items()}
+      parts = [rule.column_update(coeffs, values, grads[h],
+                                  {n: e[h] for n, e in elements.items()},
+                                  scalars, jnp.bfloat16)
+               for h, values in enumerate(stored.unpack(old))]
+      new_words = stored.pack(parts[0][0], parts[1][0])
+      offset = grad.shape[1] // 2
+      if offset < old.shape[1]:  # past the words the lanes met other columns
+        lane = lax.broadcasted_iota(jnp.int32, old.shape, 1)
+        new_words = jnp.where(lane < offset, new_words, old)
+      table_tile[...] = new_words
+      new_element = {n: stored.join_grads(parts[0][1][n], parts[1][1][n],
+                                          grad.shape[1], pltpu.roll)
+                     for n in element}
     else:
       new_values, new_element = rule.column_update(
           coeffs, table_tile[...], grad, element, scalars, jnp.float32)
@@ -198,7 +204,7 @@ def sparse_update(rule, table: jax.Array, row_state: Sequence[jax.Array],
   vocab_rows, width = table.shape
   words = table.dtype == stored.WORD
   grad_width = grad_accum.shape[1]
-  if grad_width != width * (2 if words else 1):
+  if grad_width not in ((width, 2 * width) if words else (width,)):
     raise ValueError(
         f"pallas_emb mosaic sparse_update: gradient sums of {grad_width} "
         f"columns for a stored {table.dtype}[{vocab_rows}, {width}] table; "

@@ -17,10 +17,14 @@ element-wise optimizer state, always f32) this way; the logical
 checkpoints and serving only. The rows stay the first dimension, so
 slicing and stacking tables by rows works on either view.
 
-Gradients in this layout (`to_grads`) are f32 with the columns of each
-word side by side: `[low halves | high halves]`, each padded to P, so the
-update unpacks a word tile into two f32 tiles and adds the gradient's two
-halves without moving lanes.
+Gradients in this layout (`to_grads`) are f32, for bf16 the columns of
+each word side by side: `[low halves | high halves]`, each padded to H
+lanes (`high_offset`). H is P/2 where the words fit in it (a bf16 table of
+at most 128 columns: one 128-lane gradient row, the f32 table's bytes),
+else P. The update unpacks a word tile into two f32 tiles and meets the
+gradient's high half by a rotation of the lanes by H (`split_grads`; a
+rotation by half the lanes is the same either way), or, with H = P, where
+it is.
 """
 
 from __future__ import annotations
@@ -55,9 +59,44 @@ def stored_dtype(dtype) -> np.dtype:
   return np.dtype(WORD) if _is_bf16(dtype) else np.dtype(dtype)
 
 
+def high_offset(width: int, dtype) -> int:
+  """The column of a bf16 gradient row (`to_grads`) where its high halves
+  (the odd columns) start: half the stored width if the words fit there,
+  else the stored width."""
+  padded = stored_width(width, dtype)
+  return padded // 2 if words(width, dtype) <= padded // 2 else padded
+
+
 def grad_width(width: int, dtype) -> int:
   """Columns of a gradient in this layout (`to_grads`)."""
-  return stored_width(width, dtype) * (2 if _is_bf16(dtype) else 1)
+  if not _is_bf16(dtype):
+    return stored_width(width, dtype)
+  return 2 * high_offset(width, dtype)
+
+
+def split_grads(grads, words_width: int, roll=None):
+  """A bf16 gradient (or element-wise state) tile `[R, G]` as two `[R, P]`
+  tiles lane-aligned with `unpack`'s halves of `[R, P]` words
+  (`words_width` = P): the low halves where they are, the high halves
+  moved by `high_offset` lanes (`roll(x, shift, axis)`: `pltpu.roll` in a
+  kernel, `jnp.roll` in XLA). Lanes past the words hold the other half's
+  columns or padding: `join_grads` keeps only each half's own."""
+  offset = grads.shape[1] // 2
+  if offset == words_width:
+    return grads[:, :offset], grads[:, offset:]
+  roll = roll or jnp.roll
+  return grads, roll(grads, offset, 1)
+
+
+def join_grads(low, high, grads_width: int, roll=None):
+  """The inverse of `split_grads`: two `[R, P]` f32 tiles (lanes aligned
+  with the words) as one `[R, G]` gradient-layout tile."""
+  offset = grads_width // 2
+  if offset == low.shape[1]:
+    return jnp.concatenate([low, high], axis=1)
+  roll = roll or jnp.roll
+  lane = lax.broadcasted_iota(jnp.int32, low.shape, 1)
+  return jnp.where(lane < offset, low, roll(high, offset, 1))
 
 
 def logical_dtype(table) -> np.dtype:
@@ -119,22 +158,22 @@ def pack(low: jax.Array, high: jax.Array) -> jax.Array:
 def to_grads(x: jax.Array, dtype) -> jax.Array:
   """f32 `[..., width]` values (gradients of a `dtype` table) in the stored
   layout's column order: f32 padded to the stored width; for bf16 the even
-  columns, then the odd ones, each padded to the stored width."""
+  columns, then the odd ones, each padded to `high_offset` columns."""
   width = x.shape[-1]
   x = x.astype(jnp.float32)
-  padded = stored_width(width, dtype)
   if not _is_bf16(dtype):
-    return _pad_columns(x, padded)
+    return _pad_columns(x, stored_width(width, dtype))
+  half = high_offset(width, dtype)
   x = _pad_columns(x, 2 * words(width, dtype))
-  return jnp.concatenate([_pad_columns(x[..., 0::2], padded),
-                          _pad_columns(x[..., 1::2], padded)], axis=-1)
+  return jnp.concatenate([_pad_columns(x[..., 0::2], half),
+                          _pad_columns(x[..., 1::2], half)], axis=-1)
 
 
 def from_grads(x: jax.Array, width: int, dtype) -> jax.Array:
   """The inverse of `to_grads`: f32 `[..., width]` in column order."""
   if not _is_bf16(dtype):
     return x[..., :width]
-  padded = stored_width(width, dtype)
+  offset = high_offset(width, dtype)
   half = words(width, dtype)
-  both = jnp.stack([x[..., :half], x[..., padded:padded + half]], axis=-1)
+  both = jnp.stack([x[..., :half], x[..., offset:offset + half]], axis=-1)
   return both.reshape(x.shape[:-1] + (2 * half,))[..., :width]
