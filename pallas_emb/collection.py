@@ -365,8 +365,9 @@ class EmbeddingCollection:
         parts = placement_lib.jitted(placement_lib.state_from_physical,
                                      stack, NamedSharding(self.mesh, P()))(
                                          opt_state)
-      if stack.optimizer is not None:
-        parts = [placement_lib.state_as_logical(stack, p) for p in parts]
+      if stack.optimizer is not None and not stack.host:  # (host: logical)
+        parts = [placement_lib.state_as_logical(stack, self.backend, p)
+                 for p in parts]
       out.update(zip(stack.tables, parts))
     return {name: out[name] for name in self.tables}
 

@@ -133,19 +133,17 @@ def state_as_storage(stack: StackPlan, backend: str, opt_state):
   `backend` holds it (the gradients' layout on the Mosaic backend)."""
   if opt_state is None or not stored_layout(backend):
     return opt_state
-  return _map_element_slots(stack, opt_state, lambda x: (
-      x if x.shape[1] != stack.emb_width else
-      _convert(_element_to_stored, stack, x)))
+  return _map_element_slots(stack, opt_state, functools.partial(
+      _convert, _element_to_stored, stack))
 
 
-def state_as_logical(stack: StackPlan, opt_state):
-  """The inverse of `state_as_storage` (logical arrays are left as they
-  are)."""
-  if opt_state is None:
+def state_as_logical(stack: StackPlan, backend: str, opt_state):
+  """The inverse of `state_as_storage`. By the backend, not the shapes: a
+  bf16 table of 128 columns has a gradient layout of 128 columns too."""
+  if opt_state is None or not stored_layout(backend):
     return opt_state
-  return _map_element_slots(stack, opt_state, lambda x: (
-      x if x.shape[1] == stack.emb_width else
-      _convert(_element_from_stored, stack, x)))
+  return _map_element_slots(stack, opt_state, functools.partial(
+      _convert, _element_from_stored, stack))
 
 
 def _map_element_slots(stack, opt_state, fn):

@@ -246,7 +246,7 @@ class SparseUpdateTest(parameterized.TestCase):
 
   @parameterized.parameters(*each_in_turn(
       list(optimizer_kernels_test.OPTIMIZERS),
-      ((F32, 8), (BF16, 64), (F32, 128), (BF16, 8))))
+      ((F32, 8), (BF16, 64), (F32, 128), (BF16, 8), (BF16, 128))))
   def test_matches_twin(self, name, case):
     """The 14 slots of adagrad_test (every token rule, a zero gradient)."""
     dtype, width = case
@@ -327,7 +327,10 @@ class CollectionStepTest(parameterized.TestCase):
       ("rowwise_adagrad", "adam"),
       ((jnp.float32, 64, "column"), (jnp.bfloat16, 128, "column"),
        (jnp.float32, 16, "row"), (jnp.bfloat16, 16, "table"),
-       (jnp.float32, 16, "replicated"))))
+       (jnp.float32, 16, "replicated"),
+       # A whole 128-column bf16 table on a rank: its gradient layout has
+       # 128 columns too (only the backend tells the two apart).
+       (jnp.bfloat16, 128, "table"))))
   def test_two_steps_match_xla(self, name, case):
     dtype, width, placement = case
     opt = {"rowwise_adagrad": pe.RowwiseAdagrad(0.1),
