@@ -53,7 +53,7 @@ def _load(path: str):
 def _admit_times(module, batches) -> dict:
   cache = module.RowCache(_SLOTS.value, _ROWS.value, _POLICY.value)
   pinned = [np.zeros(0, np.int32)] * 2
-  evicting, other = [], []
+  evicting, other, full, every = [], [], [], []
   for rows, counts in batches:
     start = time.perf_counter()
     got = cache.admit(rows, counts, np.ones(rows.size, bool),
@@ -64,9 +64,14 @@ def _admit_times(module, batches) -> dict:
       evicting.append(seconds)
     elif cache.cached + rows.size > _SLOTS.value:  # full, or nearly
       other.append(seconds)
+    every.append(seconds)
+    if evicting:  # since the first eviction: every admission
+      full.append(seconds)
   median = lambda x: statistics.median(x) if x else float("nan")
   return {"evicting_s": median(evicting), "evicting": len(evicting),
           "other_s": median(other), "other": len(other),
+          "mean_s": statistics.mean(full) if full else float("nan"),
+          "max_s": max(every),
           "cached": int(cache.cached)}
 
 
@@ -93,7 +98,9 @@ def main(argv):
     print(f"  {name}: {1e3 * got['evicting_s']:.1f} ms an admission that "
           f"evicts (median of {got['evicting']}), "
           f"{1e3 * got['other_s']:.1f} ms one that does not (median of "
-          f"{got['other']})")
+          f"{got['other']}); since the first eviction {1e3 * got['mean_s']:.1f}"
+          f" ms an admission on average; the longest of all "
+          f"{1e3 * got['max_s']:.0f} ms")
   if _JSON_OUT.value:
     with open(_JSON_OUT.value, "w") as f:
       json.dump(doc, f, indent=1)
