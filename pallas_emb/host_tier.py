@@ -29,10 +29,10 @@ Between steps, `HostTier.prefetch` makes a batch's rows resident
             work and the transfers overlap the step in flight
 
 An evicted row that changed is copied into host memory on a thread of its
-own (`_start_write_back`), beside the steps that follow; a prefetch that
-fetches a row still on its way there waits for it first
-(`_wait_for_rows`), so a row that comes back reads its latest values, and
-`flush` (checkpoints, serving, `table_arrays`) waits for every one.
+own (`write_back.WriteBacks`), beside the steps that follow; a prefetch
+that fetches a row still on its way there waits for it first, so a row
+that comes back reads its latest values, and `flush` (checkpoints,
+serving, `table_arrays`) waits for every one.
 
 The step itself translates each entry's logical row to its cache row
 through the map (`per_rank.cache_keys`), after the id rules, so the dedup,
@@ -46,7 +46,6 @@ a cache array stores its rows.
 from __future__ import annotations
 
 import collections
-import concurrent.futures
 import dataclasses
 import functools
 import time
@@ -62,6 +61,7 @@ from pallas_emb import inputs as inputs_lib
 from pallas_emb import placement as placement_lib
 from pallas_emb import quantize as quantize_lib
 from pallas_emb import validation
+from pallas_emb import write_back
 from pallas_emb.errors import InputError
 from pallas_emb.kernels.mosaic_tpu import stored as stored_lib
 from pallas_emb.row_cache import RowCache
@@ -72,18 +72,6 @@ from pallas_emb.state import StackState
 # Transfers are padded to a power of two of rows (at least this many), so
 # a table's swap programs compile once per size class, not per batch.
 MIN_TRANSFER_ROWS = 8
-# Groups of write-backs on their way to host memory at once, at most: a
-# prefetch that would start one more first waits for the oldest.
-MAX_PENDING_WRITE_BACKS = 4
-
-
-@functools.cache
-def _write_back_thread() -> concurrent.futures.ThreadPoolExecutor:
-  """One thread: write-backs land in host memory in the order they left."""
-  return concurrent.futures.ThreadPoolExecutor(
-      1, thread_name_prefix="pallas_emb_write_back")
-
-
 class CacheStats(NamedTuple):
   """One host-tier table's cache in one prefetch (host ints).
 
@@ -228,10 +216,9 @@ class HostStack:
                             stack.cache_policy) for r in range(self.parts)]
     # Per prefetched batch (newest last), each part's slots of its rows.
     self.recent = collections.deque(maxlen=3)
-    # Write-backs on their way to host memory (futures, oldest first), and
-    # per part a mask of the local rows they carry (made at the first).
-    self._pending = collections.deque()
-    self._leaving = None
+    self.write_backs = write_back.WriteBacks(
+        self._to_host_memory,
+        [self._part(table, r).shape[0] for r in range(self.parts)])
     axis = coll.table_axis
     self._part_spec = P(axis) if self.parts > 1 else P()
     specs = placement_lib.state_specs(stack, axis)
@@ -299,8 +286,7 @@ class HostStack:
     that is not trained (`train=False`) marks no row changed and does not
     count as in flight."""
     start = time.perf_counter()
-    while self._pending and self._pending[0].done():
-      self._pending.popleft().result()  # a failed write-back raises here
+    self.write_backs.reap()
     parts = self.split(rows)
     recent = list(self.recent)[len(self.recent) - in_flight:] if (
         in_flight) else []
@@ -349,7 +335,7 @@ class HostStack:
     # The reads and the writes have sizes of their own: a group of
     # evictions does not pad the fetched rows sent to the devices.
     n = _bucket(max(a.fetch_slots.size for a in admitted))
-    self._wait_for_rows([a.fetch_rows for a in admitted])
+    self.write_backs.wait_for([a.fetch_rows for a in admitted])
     write_slots = _padded([a.fetch_slots for a in admitted], n,
                           slots_per_part, np.int32)
     values = []
@@ -386,44 +372,12 @@ class HostStack:
       read = self._read(arrays, read_index)
       for x in read:
         x.copy_to_host_async()
-      self._start_write_back([rows for _, rows in dirty], n_read, read)
+      self.write_backs.start([rows for _, rows in dirty], n_read, read)
       to_host = sum(x.nbytes for x in read)
     arrays, cache_map = self._write(arrays, state.cache_map, index[0],
                                     values, index[1], index[2])
     to_device = sum(_transferred(x) for x in values + index)
     return self._with_arrays(state, arrays, cache_map), to_device, to_host
-
-  def _start_write_back(self, rows, n: int, read) -> None:
-    """Copies evicted rows (`rows`: each part's local rows; `read`: what
-    `_read` read of them) into host memory on the write-back thread,
-    marking them in `_leaving` until they land."""
-    if self._leaving is None:
-      self._leaving = [np.zeros(self._part(self.table, r).shape[0], bool)
-                       for r in range(self.parts)]
-    for leaving, local in zip(self._leaving, rows):
-      leaving[local] = True
-    self._pending.append(_write_back_thread().submit(self._land, rows, n,
-                                                     read))
-    while len(self._pending) > MAX_PENDING_WRITE_BACKS:
-      self._pending.popleft().result()
-
-  def _land(self, rows, n: int, read) -> None:
-    """On the write-back thread: one group into host memory."""
-    self._to_host_memory(rows, n, read)
-    for leaving, local in zip(self._leaving, rows):
-      leaving[local] = False
-
-  def _wait_for_rows(self, rows) -> None:
-    """Waits for the write-backs on their way when one of `rows` (each
-    part's local rows, about to be read from host memory) is among them."""
-    if self._pending and any(leaving[local].any() for leaving, local
-                             in zip(self._leaving, rows)):
-      self._finish_write_backs()
-
-  def _finish_write_backs(self) -> None:
-    """Waits until every evicted row on its way is in host memory."""
-    while self._pending:
-      self._pending.popleft().result()
 
   def _to_host_memory(self, rows, n: int, read) -> None:
     """Rows read from the cache (`read`: per array, `n` rows per part)
@@ -445,7 +399,7 @@ class HostStack:
     """Copies every cached row that changed into host memory; the rows of
     the last `in_flight + 1` prefetched batches stay marked changed (an
     update of theirs may still come)."""
-    self._finish_write_backs()
+    self.write_backs.finish()
     dirty = [c.dirty_slots() for c in self.caches]
     if not any(d.size for d in dirty):
       return

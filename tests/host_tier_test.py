@@ -36,6 +36,7 @@ from pallas_emb import host_tier
 from pallas_emb import layout as layout_lib
 from pallas_emb import row_cache
 from pallas_emb import stack as stack_lib
+from pallas_emb import write_back
 
 B, SEQ, BAG = 4, 3, 4
 
@@ -351,22 +352,22 @@ class HostTierTest(parameterized.TestCase):
     that fetches a row still on its way to host memory waits for it, and
     the steps still equal the device table's bit for bit."""
     # pylint: disable=protected-access
-    land = host_tier.HostStack._land
-    wait = host_tier.HostStack._wait_for_rows
+    land = write_back.WriteBacks._land
+    wait = write_back.WriteBacks.wait_for
     waits = []
 
-    def late(stack, *args):
+    def late(write_backs, *args):
       time.sleep(0.2)
-      land(stack, *args)
+      land(write_backs, *args)
 
-    def wait_for_rows(stack, rows):
-      waits.append(bool(stack._pending) and any(
-          l[r].any() for l, r in zip(stack._leaving, rows)))
-      wait(stack, rows)
+    def wait_for(write_backs, rows):
+      waits.append(write_backs.on_the_way(rows))
+      wait(write_backs, rows)
 
-    self.enter_context(mock.patch.object(host_tier.HostStack, "_land", late))
-    self.enter_context(mock.patch.object(host_tier.HostStack,
-                                         "_wait_for_rows", wait_for_rows))
+    self.enter_context(mock.patch.object(write_back.WriteBacks, "_land",
+                                         late))
+    self.enter_context(mock.patch.object(write_back.WriteBacks, "wait_for",
+                                         wait_for))
     host, device = collections("column", "lru", pe.RowwiseAdagrad(0.1),
                                cache_rows=28)
     hstate, dstate = same_start(host, device)
