@@ -315,7 +315,7 @@ class HostStack:
       hit[idx] = a.hit
     if train:
       self.recent.append([a.slots for a in admitted])
-    stats = dict(rows=int(rows.size), hits=sum(a.hits for a in admitted),
+    stats = dict(rows=int(rows.size), hits=int(hit.sum()),
                  ids=int(counts.sum()), id_hits=int(counts[hit].sum()),
                  fetched=sum(a.fetch_rows.size for a in admitted),
                  evicted=sum(a.evict_rows.size for a in admitted),

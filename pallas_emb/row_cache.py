@@ -66,7 +66,6 @@ class Admission(NamedTuple):
   slots: int32, the cache slot of each of the batch's rows (in the order
     given), after the batch is admitted.
   hit: bool, whether each of the batch's rows was cached already.
-  hits: how many of the batch's rows were cached already.
   fetch_rows, fetch_slots: the misses and the free slots they go to.
   evict_rows, evict_slots: the rows that left and the slots they held.
   dirty: bool per evicted row, whether a batch trained it since it came in
@@ -74,7 +73,6 @@ class Admission(NamedTuple):
   """
   slots: np.ndarray
   hit: np.ndarray
-  hits: int
   fetch_rows: np.ndarray
   fetch_slots: np.ndarray
   evict_rows: np.ndarray
@@ -170,8 +168,8 @@ class RowCache:
       if self._log_size > LOG_SLOTS * self.num_slots:
         self._compact_log()
     self.clock += 1
-    return Admission(slots, hit, rows.size - n,
-                     misses, fetch_slots, evict_rows, evict_slots, dirty)
+    return Admission(slots, hit, misses, fetch_slots, evict_rows,
+                     evict_slots, dirty)
 
   def clean(self, slots: np.ndarray) -> None:
     """Marks `slots` as copied back to host memory."""
