@@ -24,6 +24,8 @@ import time
 from absl import app
 from absl import flags
 
+from bench.settings import apply_settings
+
 _ROWS = flags.DEFINE_list("rows", ["1000000", "10000000"], "Table rows.")
 _WIDTHS = flags.DEFINE_list("widths", ["64", "128"], "Table widths.")
 _DTYPES = flags.DEFINE_list("dtypes", ["float32", "bfloat16"],
@@ -46,16 +48,6 @@ _JSON_OUT = flags.DEFINE_string("json_out", None, "Write the results here.")
 _SET = flags.DEFINE_multi_string(
     "set", [], "MODULE.NAME=VALUE: sets a module constant first (a knob, "
     "e.g. pallas_emb.kernels.mosaic_tpu.lookup.POOL_METHOD='xla').")
-
-
-def apply_settings(settings):
-  """Sets each `module.NAME=value` (a Python literal) of `settings`."""
-  import ast  # pylint: disable=g-import-not-at-top
-  import importlib  # pylint: disable=g-import-not-at-top
-  for setting in settings:
-    target, value = setting.split("=", 1)
-    module, name = target.rsplit(".", 1)
-    setattr(importlib.import_module(module), name, ast.literal_eval(value))
 
 
 def _loss(emb):

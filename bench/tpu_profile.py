@@ -24,6 +24,7 @@ import tempfile
 from absl import app
 from absl import flags
 
+from bench import settings
 from bench import tpu as bench_tpu
 from bench.trace import device_op_times
 
@@ -33,7 +34,7 @@ _TOP = flags.DEFINE_integer("top", 25, "Ops printed.")
 def main(argv):
   del argv
   import jax  # pylint: disable=g-import-not-at-top
-  bench_tpu.apply_settings(flags.FLAGS.set)
+  settings.apply_settings(flags.FLAGS.set)
   fl = flags.FLAGS
   config = (int(float(fl.rows[0])), int(fl.widths[0]), fl.dtypes[0],
             fl.kinds[0], fl.dists[0], fl.backends[0])

@@ -483,7 +483,9 @@ def _update(layout: StackLayout, backend: str, table, opt_state,
     return update_lib.update_from_sums(
         layout.ctx, layout.optimizer, backend, table, opt_state, grad_accum,
         row_sq, routing.unique_tokens, pending, routing.num_overflow,
-        kernel_config, norms, stored_grads=True)
+        kernel_config, norms, stored_grads=True,
+        # The dedup's buffer ascends; a slot map's is in first-seen order.
+        sorted_tokens=routing.slot_map is None)
   if backend != "xla":
     return update_lib.update_from_routed(
         layout.ctx, layout.optimizer, backend, table, opt_state,

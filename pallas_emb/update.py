@@ -102,7 +102,7 @@ def update_from_routed(ctx: EmbeddingContext, opt, backend: str, table,
 def update_from_sums(ctx: EmbeddingContext, opt, backend: str, table,
                      opt_state, grad_accum, row_sq, unique_tokens, pending,
                      num_overflow, kernel_config=None, norms=COLUMNS,
-                     stored_grads=False):
+                     stored_grads=False, sorted_tokens=False):
   """The update on one rank from this rank's segment sums.
 
   `grad_accum` f32 `[U, S]` and `row_sq` `[U + 1]` as
@@ -113,7 +113,8 @@ def update_from_sums(ctx: EmbeddingContext, opt, backend: str, table,
   each row's norm is summed over the ranks, full width), ROWS (a rank holds
   whole rows of its own: only the total is summed) or NONE (every rank
   holds every row). The step is applied only where the gradient norm is
-  finite and `pending` is true, the same on every rank.
+  finite and `pending` is true, the same on every rank. `sorted_tokens`:
+  `unique_tokens` ascend (the dedup's buffer; `kernels.sparse_update_rows`).
   """
   num_unique = unique_tokens.shape[0]
   dtype = stored.logical_dtype(table) if backend in MOSAIC else (
@@ -138,7 +139,8 @@ def update_from_sums(ctx: EmbeddingContext, opt, backend: str, table,
   table, opt_state = opt.update_rows(
       table, opt_state, unique_tokens, grad_accum, row_sq[:num_unique],
       apply, emb_width=ctx.emb_width, backend=backend,
-      config=kernel_config.update if kernel_config else None)
+      config=kernel_config.update if kernel_config else None,
+      sorted_tokens=sorted_tokens)
   stats = UpdateStats(norm, apply.astype(jnp.int32),
                       pending.astype(jnp.int32), num_overflow)
   return table, opt_state, stats

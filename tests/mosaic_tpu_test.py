@@ -8,6 +8,7 @@ and misaligned DMAs that a chip does not: `bench/tpu_check.sh` runs these
 tests on a TPU with backend "mosaic_tpu" (`PALLAS_EMB_TEST_BACKEND`).
 """
 
+import functools
 import os
 import re
 import types
@@ -31,7 +32,10 @@ from pallas_emb import validation
 from pallas_emb.kernels import reference
 from pallas_emb.kernels.mosaic_tpu import lookup
 from pallas_emb.kernels.mosaic_tpu import segment_sum
+from pallas_emb.kernels.mosaic_tpu import sparse_update
 from pallas_emb.kernels.mosaic_tpu import stored
+from pallas_emb.kernels.mosaic_tpu import stream_update
+from pallas_emb.optimizers import base
 
 BF16 = test_util.BF16
 F32 = np.float32
@@ -179,25 +183,61 @@ class LookupKernelTest(parameterized.TestCase):
         *args, max_len=3, out_dtype=jnp.float32)))
 
 
-def _update(opt, backend, args, width, apply=True):
+def _update_fn(opt, backend, width, sorted_tokens, table, rows, elements,
+               tokens, grad_accum, row_sq, apply, scalars):
+  args = (opt, table, rows, elements, tokens, grad_accum, row_sq, apply,
+          jnp.int32(optimizer_kernels_test.STEP), scalars)
+  emb_width = optimizer_kernels_test.RANKS * width
+  if backend == "reference":
+    return reference.sparse_update(*args, emb_width=emb_width)
+  return kernels.sparse_update_rows(*args, emb_width=emb_width,
+                                    backend=backend,
+                                    sorted_tokens=sorted_tokens)
+
+
+def _update_args(opt, args, apply):
+  step = jnp.int32(optimizer_kernels_test.STEP)
+  return tuple(args) + (jnp.asarray(apply), opt.scalars(step))
+
+
+def _update(opt, backend, args, width, apply=True, sorted_tokens=False):
   """One update with the scalars traced, as a step computes them (a
   constant learning rate folded into a division is rewritten by XLA, which
   the kernel, opaque to it, is not)."""
-  table, rows, elements, tokens, grad_accum, row_sq = args
-  step = jnp.int32(optimizer_kernels_test.STEP)
-
-  def fn(table, rows, elements, tokens, grad_accum, row_sq, apply, scalars):
-    args = (opt, table, rows, elements, tokens, grad_accum, row_sq, apply,
-            step, scalars)
-    emb_width = optimizer_kernels_test.RANKS * width
-    if backend == "reference":
-      return reference.sparse_update(*args, emb_width=emb_width)
-    return kernels.sparse_update_rows(*args, emb_width=emb_width,
-                                      backend=backend)
-
-  out = jax.jit(fn)(table, rows, elements, tokens, grad_accum, row_sq,
-                    jnp.asarray(apply), opt.scalars(step))
+  out = jax.jit(functools.partial(_update_fn, opt, backend, width,
+                                  sorted_tokens))(
+                                      *_update_args(opt, args, apply))
   return jax.tree.map(np.asarray, out)
+
+
+def _sorted_inputs(opt, width, dtype, vocab, distinct=None, seed=0):
+  """A table of `vocab` rows, its optimizer's states and a dedup's buffer:
+  `distinct` ascending rows (a zero gradient among them), three rows past
+  the table, then fill values; gradients zero past the kept rows."""
+  rng = np.random.default_rng(seed)
+  distinct = distinct or vocab // 3
+  size = distinct + distinct // 8 + 8
+  tokens = np.full(size, np.iinfo(np.int32).max, np.int32)
+  tokens[:distinct] = np.sort(rng.choice(vocab, distinct, replace=False))
+  tokens[distinct:distinct + 3] = vocab + np.array([0, 5, 9])
+  table = rng.standard_normal((vocab, width)).astype(F32).astype(dtype)
+  rows, elements = [], []
+  for slot in opt.slots():
+    shape = (vocab,) if slot.kind == base.ROW else (vocab, width)
+    if np.dtype(slot.dtype) == np.int32:
+      array = rng.integers(0, optimizer_kernels_test.STEP + 1, shape)
+      array = array.astype(np.int32)
+    elif slot.name in ("m", "linear"):  # signed state
+      array = rng.standard_normal(shape).astype(F32)
+    else:  # accumulators and second moments are positive
+      array = rng.uniform(0.05, 2.0, shape).astype(F32)
+    (rows if slot.kind == base.ROW else elements).append(array)
+  grad_accum = rng.standard_normal((size, width)).astype(F32)
+  grad_accum[distinct // 2] = 0
+  grad_accum[distinct:] = 0
+  row_sq = (adagrad_test.np_round(grad_accum, dtype) ** 2).sum(
+      axis=1).astype(F32) * optimizer_kernels_test.RANKS
+  return table, tuple(rows), tuple(elements), tokens, grad_accum, row_sq
 
 
 class GradSumsKernelTest(parameterized.TestCase):
@@ -281,6 +321,55 @@ class SparseUpdateTest(parameterized.TestCase):
         np.testing.assert_allclose(g.astype(F32), w.astype(F32), rtol=rtol,
                                    atol=1e-6)
 
+  @parameterized.parameters(*each_in_turn(
+      list(optimizer_kernels_test.OPTIMIZERS),
+      ((F32, 64, 2500), (BF16, 16, 2048), (F32, 200, 700), (BF16, 128, 3000),
+       (BF16, 200, 1100))))
+  def test_stream_matches_twin(self, name, case):
+    """The table streamed (`stream_update`, tokens ascending): several
+    blocks (a partial last one unless V is a multiple of the block), rows
+    past the table and fill values skipped, a zero gradient; untouched
+    rows keep their bits; `apply=False` changes nothing."""
+    dtype, width, vocab = case
+    opt = optimizer_kernels_test.OPTIMIZERS[name]
+    args = _sorted_inputs(opt, width, dtype, vocab)
+    with mock.patch.object(sparse_update, "STREAM", "always"):
+      got = _update(opt, BACKEND, args, width, sorted_tokens=True)
+      same = _update(opt, BACKEND, args, width, apply=False,
+                     sorted_tokens=True)
+    want = _update(opt, "reference", args, width)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+      assert_same(self, g, w)
+    trained = np.asarray(args[3])[np.asarray(args[3]) < vocab]
+    keep = sorted(set(range(vocab)) - set(trained.tolist()))
+    for new, old, kept in zip(jax.tree.leaves(got), jax.tree.leaves(args[:3]),
+                              jax.tree.leaves(same)):
+      test_util.assert_bits_equal(self, new[keep], np.asarray(old)[keep])
+      test_util.assert_bits_equal(self, kept, np.asarray(old))
+    self.assertFalse(np.array_equal(got[0][trained[1]],
+                                    np.asarray(args[0])[trained[1]]))
+
+  def test_stream_is_picked_by_the_share_of_rows_touched(self):
+    """"auto" streams a table when the batch touches enough of it: the
+    same bits either way, and the TPU program holds both kernels."""
+    opt = pe.RowwiseAdagrad(0.1)
+    for distinct in (3, 1500):  # rows, then the stream
+      args = _sorted_inputs(opt, 64, F32, 2500, distinct=distinct)
+      got = _update(opt, BACKEND, args, 64, sorted_tokens=True)
+      want = _update(opt, "reference", args, 64)
+      for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        assert_same(self, g, w)
+    used = lambda n: stream_update.worth_streaming(2500, 4 * 129, 1, 1,
+                                                   jnp.int32(n))
+    self.assertFalse(bool(used(3)))
+    self.assertTrue(bool(used(1500)))
+    text = jax.jit(functools.partial(
+        _update_fn, opt, "mosaic_tpu", 64, True)).trace(
+            *_update_args(opt, args, True)).lower(
+                lowering_platforms=("tpu",)).as_text()
+    for kernel in ("pallas_emb_adagrad_tpu", "pallas_emb_adagrad_stream_tpu"):
+      self.assertIn(kernel, text)
+
   def test_not_applied_changes_nothing(self):
     opt = optimizer_kernels_test.OPTIMIZERS["adam"]
     args = optimizer_kernels_test.inputs(opt, 3, 16, BF16)
@@ -332,6 +421,18 @@ class CollectionStepTest(parameterized.TestCase):
        # 128 columns too (only the backend tells the two apart).
        (jnp.bfloat16, 128, "table"))))
   def test_two_steps_match_xla(self, name, case):
+    """These tables are small: "auto" streams them (`stream_update`)."""
+    self._check_two_steps(name, case)
+
+  @parameterized.parameters(*each_in_turn(
+      ("rowwise_adagrad", "adam"),
+      ((jnp.float32, 64, "column"), (jnp.bfloat16, 128, "table"))))
+  def test_two_steps_by_rows_match_xla(self, name, case):
+    """The row kernel (each touched row by DMA), never the stream."""
+    with mock.patch.object(sparse_update, "STREAM", "never"):
+      self._check_two_steps(name, case)
+
+  def _check_two_steps(self, name, case):
     dtype, width, placement = case
     opt = {"rowwise_adagrad": pe.RowwiseAdagrad(0.1),
            "adam": pe.Adam(0.01)}[name]
@@ -409,10 +510,12 @@ class TpuLoweringTest(parameterized.TestCase):
         state, batch).lower(lowering_platforms=("tpu",)).as_text()
     # The sequence gather and the pool of short bags are XLA's
     # (`lookup.GATHER_METHOD`, `POOL_METHOD`); the gradient rows fit in VMEM
-    # (`segment_sum.SORTED_ROWS_BYTES`).
+    # (`segment_sum.SORTED_ROWS_BYTES`); the update by rows or by streaming
+    # the table, picked at run time (`sparse_update.STREAM`).
     self.assertEqual(
         set(MOSAIC_KERNELS.findall(text)),
-        {"pallas_emb_sorted_grad_sums_tpu", opt.kernel_name + "_tpu"})
+        {"pallas_emb_sorted_grad_sums_tpu", opt.kernel_name + "_tpu",
+         opt.kernel_name + "_stream_tpu"})
     self.assertNotIn("triton", text)
 
   @parameterized.parameters("row", "table", "replicated")

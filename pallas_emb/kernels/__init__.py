@@ -147,12 +147,14 @@ def grad_sums(rows, entry_rows, slots, weights, num_slots: int, live_slots,
 
 def sparse_update_rows(rule, table, row_state, element_state,
                        unique_tokens, grad_accum, row_sq, apply, step,
-                       scalars, *, emb_width, backend: str, config=None):
+                       scalars, *, emb_width, backend: str, config=None,
+                       sorted_tokens: bool = False):
   """An optimizer's fused update of the rows a batch used.
 
   `rule` is the optimizer's `triton.sparse_update.UpdateRule`; returns
   `(table, row_state, element_state)`, the states as tuples in the rule's
-  order.
+  order. `sorted_tokens`: `unique_tokens` ascend (the dedup's buffer),
+  which lets the Mosaic backend stream the table (its `sparse_update`).
   """
   args = (rule, table, row_state, element_state, unique_tokens, grad_accum,
           row_sq, apply, step, scalars)
@@ -165,7 +167,8 @@ def sparse_update_rows(rule, table, row_state, element_state,
   if impl == "mosaic_tpu":
     from pallas_emb.kernels.mosaic_tpu import sparse_update  # pylint: disable=g-import-not-at-top
     return sparse_update.sparse_update(*args, emb_width=emb_width,
-                                       interpret=_interpret(backend))
+                                       interpret=_interpret(backend),
+                                       sorted_tokens=sorted_tokens)
   return xla.sparse_update(*args, emb_width=emb_width)
 
 

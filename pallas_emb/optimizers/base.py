@@ -287,13 +287,15 @@ class SparseOptimizer:
   # --- the update -------------------------------------------------------------
 
   def update_rows(self, table, opt_state, unique_tokens, grad_accum, row_sq,
-                  apply, *, emb_width: int, backend: str, config=None):
+                  apply, *, emb_width: int, backend: str, config=None,
+                  sorted_tokens: bool = False):
     """The fused update of the rows of `unique_tokens` (per rank).
 
     `grad_accum` f32 `[U, S]` holds this rank's columns of each unique
     row's summed gradient, `row_sq` f32 `[U]` the full-width squared norms;
     nothing changes, not even the step, where `apply` is false or this
-    step's scalars are not valid (`scalars_are_valid`).
+    step's scalars are not valid (`scalars_are_valid`). `sorted_tokens`:
+    `unique_tokens` ascend (`kernels.sparse_update_rows`).
     """
     step = opt_state.step
     apply = jnp.asarray(apply, jnp.bool_) & self.scalars_are_valid(step)
@@ -301,7 +303,8 @@ class SparseOptimizer:
         self, table, [getattr(opt_state, n) for n in self.row_slots],
         [getattr(opt_state, n) for n in self.element_slots], unique_tokens,
         grad_accum, row_sq, apply, step, self.scalars(step),
-        emb_width=emb_width, backend=backend, config=config)
+        emb_width=emb_width, backend=backend, config=config,
+        sorted_tokens=sorted_tokens)
     arrays = dict(zip(self.row_slots, rows))
     arrays.update(zip(self.element_slots, elements))
     return table, self._state(arrays, step + apply.astype(jnp.int32))

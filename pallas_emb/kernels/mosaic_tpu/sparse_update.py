@@ -32,16 +32,20 @@ from pallas_emb.kernels import reference
 from pallas_emb.kernels import xla
 from pallas_emb.kernels.mosaic_tpu import dma
 from pallas_emb.kernels.mosaic_tpu import stored
+from pallas_emb.kernels.mosaic_tpu import stream_update
 
 # Slots per XLA chunk of the row-wise part.
 ROW_CHUNK = 8192
+# With sorted tokens: "auto" streams the table where
+# `stream_update.worth_streaming` says so; "always" or "never" (A/Bs).
+STREAM = "auto"
+
 
 
 def _kernel(live_ref,  # scalar prefetch: [1] blocks with a used slot
             reads_ref, reads_next_ref, dest_ref,  # SMEM [1, R] blocks
             grad_ref,  # VMEM [R, G] block
-            *refs, rule, num_coeffs, coeff_inputs, num_scalars, block,
-            words):
+            *refs, rule, num_coeffs, coeff_inputs, num_scalars, block):
   # SMEM [1, R] blocks, a coefficient's each (one of zeros if none).
   coeff_refs = refs[:num_coeffs]
   scalars_ref = refs[coeff_inputs]  # SMEM [k]
@@ -95,30 +99,11 @@ def _kernel(live_ref,  # scalar prefetch: [1] blocks with a used slot
     scalars = tuple(scalars_ref[j] for j in range(num_scalars))
     table_tile, element_tiles = tiles[0].at[slot], [t.at[slot]
                                                     for t in tiles[1:]]
-    grad = grad_ref[...]
-    element = {n: t[...] for n, t in zip(rule.element_slots, element_tiles)}
-    if words:  # bf16 words: the low and the high halves on their own
-      old = table_tile[...]
-      split = lambda x: stored.split_grads(x, old.shape[1], pltpu.roll)
-      grads = split(grad)
-      elements = {n: split(e) for n, e in element.items()}
-      parts = [rule.column_update(coeffs, values, grads[h],
-                                  {n: e[h] for n, e in elements.items()},
-                                  scalars, jnp.bfloat16)
-               for h, values in enumerate(stored.unpack(old))]
-      new_words = stored.pack(parts[0][0], parts[1][0])
-      offset = grad.shape[1] // 2
-      if offset < old.shape[1]:  # past the words the lanes met other columns
-        lane = lax.broadcasted_iota(jnp.int32, old.shape, 1)
-        new_words = jnp.where(lane < offset, new_words, old)
-      table_tile[...] = new_words
-      new_element = {n: stored.join_grads(parts[0][1][n], parts[1][1][n],
-                                          grad.shape[1], pltpu.roll)
-                     for n in element}
-    else:
-      new_values, new_element = rule.column_update(
-          coeffs, table_tile[...], grad, element, scalars, jnp.float32)
-      table_tile[...] = new_values
+    new_values, new_element = stored.rule_on_tiles(
+        rule, coeffs, table_tile[...], grad_ref[...],
+        {n: t[...] for n, t in zip(rule.element_slots, element_tiles)},
+        scalars, pltpu.roll)
+    table_tile[...] = new_values
     for name, tile in zip(rule.element_slots, element_tiles):
       tile[...] = new_element[name].astype(tile.dtype)
     count = jnp.int32(0)
@@ -185,14 +170,18 @@ def sparse_update(rule, table: jax.Array, row_state: Sequence[jax.Array],
                   element_state: Sequence[jax.Array],
                   unique_tokens: jax.Array, grad_accum: jax.Array,
                   row_sq: jax.Array, apply, step, scalars: Sequence[Any], *,
-                  emb_width: int | None = None, interpret: bool = False):
+                  emb_width: int | None = None, interpret: bool = False,
+                  sorted_tokens: bool = False):
   """`rule`'s update of the rows of `unique_tokens`, in place (the
   arguments and result of `triton.sparse_update.sparse_update`).
 
   `table` is stored (`stored.py`; then `grad_accum` and the element-wise
   states are in the gradients' layout) or logical `[V, S]` (converted to
   and from the stored layout around the kernel: a table-sized copy, for
-  callers that hold logical tables).
+  callers that hold logical tables). `sorted_tokens`: the tokens ascend,
+  the kept rows (in `[0, V)`) first (the dedup's buffer); then a batch
+  that touches a large share of the table streams the whole table
+  (`stream_update`, chosen at run time by `STREAM`).
   """
   row_state, element_state = tuple(row_state), tuple(element_state)
   scalars = tuple(jnp.asarray(s, jnp.float32) for s in scalars)
@@ -200,7 +189,8 @@ def sparse_update(rule, table: jax.Array, row_state: Sequence[jax.Array],
       table.dtype == jnp.float32 and table.shape[1] % stored.LANES):
     return _logical_update(rule, table, row_state, element_state,
                            unique_tokens, grad_accum, row_sq, apply, step,
-                           scalars, emb_width=emb_width, interpret=interpret)
+                           scalars, emb_width=emb_width, interpret=interpret,
+                           sorted_tokens=sorted_tokens)
   vocab_rows, width = table.shape
   words = table.dtype == stored.WORD
   grad_width = grad_accum.shape[1]
@@ -214,6 +204,37 @@ def sparse_update(rule, table: jax.Array, row_state: Sequence[jax.Array],
     return table, row_state, element_state
   if row_sq.shape[0] == num_unique + 1:
     row_sq = row_sq[:num_unique]
+  args = (unique_tokens, grad_accum, row_sq, apply, step, scalars)
+  by_rows = lambda _, state: _update_rows(
+      rule, *state, *args, emb_width=emb_width, interpret=interpret)
+  if (not sorted_tokens or STREAM == "never" or not stream_update.block_rows(
+      width + grad_width * len(element_state))):
+    return by_rows(0, (table, row_state, element_state))
+  by_stream = lambda _, state: stream_update.stream_update(
+      rule, *state, *args, emb_width=emb_width, interpret=interpret)
+  if STREAM == "always":
+    return by_stream(0, (table, row_state, element_state))
+  used = jnp.sum((unique_tokens >= 0) & (unique_tokens < vocab_rows))
+  row_bytes = 4 * (width + grad_width * len(element_state) + len(row_state))
+  stream = stream_update.worth_streaming(
+      vocab_rows, row_bytes, 1 + len(element_state), len(row_state),
+      used).astype(jnp.int32)
+  # Loops of zero or one trip, not a `lax.cond`: XLA updates a loop's
+  # carried table in place.
+  state = lax.fori_loop(0, stream, by_stream,
+                        (table, row_state, element_state))
+  return lax.fori_loop(0, 1 - stream, by_rows, state)
+
+
+def _update_rows(rule, table, row_state, element_state, unique_tokens,
+                 grad_accum, row_sq, apply, step, scalars, *, emb_width,
+                 interpret):
+  """The update by the row kernel: each touched row by DMA, the row-wise
+  part in XLA (`_row_part`)."""
+  vocab_rows = table.shape[0]
+  words = table.dtype == stored.WORD
+  grad_width = grad_accum.shape[1]
+  num_unique = unique_tokens.shape[0]
   copies = 2 * (1 + len(element_state)) * (2 if words else 1)
   block = dma.block_rows(num_unique, 4 * grad_width, copies=copies)
   num_blocks = pl.cdiv(num_unique, block)
@@ -243,7 +264,7 @@ def sparse_update(rule, table: jax.Array, row_state: Sequence[jax.Array],
   outs = pl.pallas_call(
       functools.partial(_kernel, rule=rule, num_coeffs=num_coeffs,
                         coeff_inputs=len(coeffs),
-                        num_scalars=len(scalars), block=block, words=words),
+                        num_scalars=len(scalars), block=block),
       out_shape=tuple(jax.ShapeDtypeStruct(s.shape, s.dtype) for s in states),
       grid_spec=pltpu.PrefetchScalarGridSpec(
           num_scalar_prefetch=1,
@@ -268,12 +289,12 @@ def sparse_update(rule, table: jax.Array, row_state: Sequence[jax.Array],
       interpret=dma.interpret_params(interpret),
       name=rule.kernel_name + "_tpu",
   )(live, *inputs, *states)
-  return outs[0], row_state, tuple(outs[1:])
+  return outs[0], tuple(row_state), tuple(outs[1:])
 
 
 def _logical_update(rule, table, row_state, element_state, unique_tokens,
                     grad_accum, row_sq, apply, step, scalars, *, emb_width,
-                    interpret):
+                    interpret, sorted_tokens):
   """The update of a logical `[V, S]` table and its logical element-wise
   states, through their stored layouts."""
   dtype = table.dtype
@@ -282,7 +303,8 @@ def _logical_update(rule, table, row_state, element_state, unique_tokens,
       rule, stored.to_stored(table), row_state,
       tuple(stored.to_grads(e, dtype) for e in element_state),
       unique_tokens, stored.to_grads(grad_accum, dtype), row_sq, apply, step,
-      scalars, emb_width=emb_width, interpret=interpret)
+      scalars, emb_width=emb_width, interpret=interpret,
+      sorted_tokens=sorted_tokens)
   return (stored.from_stored(new_table, width, dtype), row_state,
           tuple(stored.from_grads(e, width, dtype).astype(old.dtype)
                 for e, old in zip(new_elements, element_state)))

@@ -177,3 +177,29 @@ def from_grads(x: jax.Array, width: int, dtype) -> jax.Array:
   half = words(width, dtype)
   both = jnp.stack([x[..., :half], x[..., offset:offset + half]], axis=-1)
   return both.reshape(x.shape[:-1] + (2 * half,))[..., :width]
+
+def rule_on_tiles(rule, coeffs, old, grad, element, scalars, roll):
+  """`rule.column_update` on `[R, P]` tiles of a stored table (`old`) and
+  its gradients and element-wise states (`[R, G]`, the gradients'
+  layout): `(new table tile, {name: new state tile})`. A bf16 table's
+  words are unpacked into their low and high halves, each updated with its
+  half of the gradient columns, and packed again (`roll` as for
+  `split_grads`)."""
+  if old.dtype != WORD:
+    return rule.column_update(coeffs, old, grad, element, scalars,
+                              jnp.float32)
+  split = lambda x: split_grads(x, old.shape[1], roll)
+  grads = split(grad)
+  elements = {n: split(e) for n, e in element.items()}
+  parts = [rule.column_update(coeffs, values, grads[h],
+                              {n: e[h] for n, e in elements.items()},
+                              scalars, jnp.bfloat16)
+           for h, values in enumerate(unpack(old))]
+  new_words = pack(parts[0][0], parts[1][0])
+  offset = grad.shape[1] // 2
+  if offset < old.shape[1]:  # past the words the lanes met other columns
+    lane = lax.broadcasted_iota(jnp.int32, old.shape, 1)
+    new_words = jnp.where(lane < offset, new_words, old)
+  return new_words, {n: join_grads(parts[0][1][n], parts[1][1][n],
+                                   grad.shape[1], roll)
+                     for n in element}
