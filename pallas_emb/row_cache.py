@@ -17,9 +17,12 @@ many as needed). LRU finds them in a log of the slots each batch used, in
 the order of use, from its oldest end: a slot's entry whose clock is no
 longer the slot's stamp is stale (the slot was used again, or emptied) and
 is dropped as the log is read, so the work follows the rows the batches
-read, not O(slots) a group (docs/host_tier.md has the figures); the log
-is compacted to one entry per cached slot when it outgrows `LOG_SLOTS`
-times the slots. LFU ranks every cached slot by its count in one
+read, not O(slots) a group (docs/host_tier.md has the figures). When the
+log outgrows `LOG_SLOTS` times the slots, a compaction pass starts: each
+admission then filters the stale entries out of the oldest part of the
+log, at least `COMPACT_BATCHES` times its own rows, until the pass has
+been over every entry the log held when it began (one pass at once was a
+pause of 0.76 s at 8M slots). LFU ranks every cached slot by its count in one
 O(slots) scan per group.
 
 An evicted row that a batch trained since it came in is *dirty*: the
@@ -44,8 +47,11 @@ from pallas_emb.errors import InputError
 POLICIES = ("lru", "lfu")
 # Evict at least this fraction of the slots per pass (see module doc).
 EVICT_FRACTION = 32
-# The LRU log is compacted when it holds this many times the slots.
+# The LRU log is compacted when it holds this many times the slots, by
+# each admission at least this many times its own rows (the log grows by
+# at most a quarter of its size during a pass).
 LOG_SLOTS = 3
+COMPACT_BATCHES = 4
 _STAMP_BITS = 32
 
 
@@ -99,9 +105,14 @@ class RowCache:
     self._free = np.arange(slots, dtype=np.int32)[::-1].copy()
     self._num_free = int(slots)
     self.clock = 0
-    # LRU: (clock, slots used at that clock), oldest first; its length.
+    # LRU: (clock, slots used at that clock), oldest first, in two parts:
+    # `_head`, the entries a compaction pass has filtered, all older than
+    # those of `_log`; their length together; the entries of `_log` the
+    # pass has still to filter (0: no pass).
+    self._head = collections.deque()
     self._log = collections.deque()
     self._log_size = 0
+    self._to_compact = 0
     self._excluded = np.zeros(slots, bool)  # scratch: pinned or in the batch
 
   @property
@@ -165,8 +176,11 @@ class RowCache:
     elif slots.size:
       self._log.append((self.clock, slots))
       self._log_size += slots.size
-      if self._log_size > LOG_SLOTS * self.num_slots:
-        self._compact_log()
+      if not self._to_compact and (self._log_size
+                                   > LOG_SLOTS * self.num_slots):
+        self._to_compact = len(self._log)
+      if self._to_compact:
+        self._compact_log(COMPACT_BATCHES * slots.size)
     self.clock += 1
     return Admission(slots, hit, misses, fetch_slots, evict_rows,
                      evict_slots, dirty)
@@ -211,7 +225,11 @@ class RowCache:
     oldest end (ties: in the order the batch listed its rows)."""
     taken, kept = [], []
     while group:
-      clock, entry = self._log.popleft()
+      if self._head:
+        clock, entry = self._head.popleft()
+      else:
+        clock, entry = self._log.popleft()
+        self._to_compact = max(self._to_compact - 1, 0)
       self._log_size -= entry.size
       entry = entry[(self.stamp[entry] == clock) & (self.slot_row[entry] >= 0)]
       free = np.flatnonzero(~self._excluded[entry])[:group]
@@ -221,7 +239,8 @@ class RowCache:
       if rest.size:
         kept.append((clock, rest))
         self._log_size += rest.size
-    self._log.extendleft(reversed(kept))
+    # What is left of the entries read is filtered: the oldest of the head.
+    self._head.extendleft(reversed(kept))
     return np.concatenate(taken)
 
   def _least_frequent(self, group: int) -> np.ndarray:
@@ -236,15 +255,22 @@ class RowCache:
     self.count >>= 1  # aging: every eviction pass halves the counts
     return candidates
 
-  def _compact_log(self) -> None:
-    """The LRU log without its stale entries: one per cached slot."""
-    log = collections.deque()
-    for clock, entry in self._log:
+  def _compact_log(self, budget: int) -> None:
+    """Filters the stale entries out of the oldest entries of the pass
+    (above), at least `budget` of them, onto the head; at the pass's end
+    the head and the rest of the log are one log again."""
+    while self._to_compact and budget > 0:
+      clock, entry = self._log.popleft()
+      self._to_compact -= 1
+      budget -= entry.size
+      self._log_size -= entry.size
       entry = entry[(self.stamp[entry] == clock) & (self.slot_row[entry] >= 0)]
       if entry.size:
-        log.append((clock, entry))
-    self._log = log
-    self._log_size = sum(entry.size for _, entry in log)
+        self._head.append((clock, entry))
+        self._log_size += entry.size
+    if not self._to_compact:
+      self._log.extendleft(reversed(self._head))
+      self._head.clear()
 
   def _push(self, slots: np.ndarray) -> None:
     n = slots.size

@@ -161,6 +161,41 @@ class RowCacheTest(absltest.TestCase):
       with mock.patch.object(row_cache, "LOG_SLOTS", log_slots):
         self.check_lru_victims()
 
+  def test_lru_compaction_spread_over_admissions_changes_no_victim(self):
+    """A compaction pass filters the log a few entries an admission
+    (evictions read it meanwhile): every admission moves the rows an
+    uncompacted log moves, and the log stays bounded (uncompacted, it
+    grows past ten times the slots)."""
+    def run(log_slots, compact_batches):
+      rng = np.random.default_rng(1)
+      cache = row_cache.RowCache(64, 400, "lru")
+      pinned, moved, longest = np.zeros(0, np.int32), [], 0
+      with mock.patch.object(row_cache, "LOG_SLOTS", log_slots), \
+          mock.patch.object(row_cache, "COMPACT_BATCHES", compact_batches):
+        for i in range(300):
+          # Hits alone (the log grows), then evictions every third batch.
+          rows = np.unique(rng.zipf(1.2, 30) % (60 if i < 150 or i % 3
+                                                else 400))
+          got = self.admit(cache, rows, pinned)
+          moved.append((got.slots, got.evict_slots, got.fetch_slots))
+          longest = max(longest, cache._log_size)  # pylint: disable=protected-access
+          pinned = got.slots
+      return moved, longest, cache
+
+    want, unbounded, _ = run(10**9, 1)
+    got, longest, cache = run(1, 1)
+    self.assertGreater(unbounded, 10 * 64)
+    self.assertLessEqual(longest, 2 * 64 + 2 * 30)
+    self.assertEqual(len(got), len(want))
+    for a, b in zip(got, want):
+      for x, y in zip(a, b):
+        np.testing.assert_array_equal(x, y)
+    # Every cached slot's last use is in the log.
+    logged = set()
+    for clock, entry in list(cache._head) + list(cache._log):  # pylint: disable=protected-access
+      logged.update(entry[cache.stamp[entry] == clock].tolist())
+    self.assertEqual(logged, set(np.flatnonzero(cache.slot_row >= 0)))
+
   def check_lru_victims(self):
     rng = np.random.default_rng(0)
     cache = row_cache.RowCache(64, 400, "lru")
