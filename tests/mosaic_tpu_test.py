@@ -109,6 +109,18 @@ class LookupKernelTest(parameterized.TestCase):
     test_util.assert_bits_equal(self, stored.from_grads(laid, width, dtype),
                                 np.asarray(grads))
 
+  def test_grad_split_forms_agree(self):
+    """`to_grads`' two ways of taking a bf16 gradient's columns apart give
+    the same bits (odd widths, one 128-lane row or two, 3-D inputs)."""
+    rng = np.random.default_rng(1)
+    for shape in ((9, 7), (9, 64), (5, 128), (4, 3, 200), (6, 256)):
+      grads = jnp.asarray(rng.standard_normal(shape), jnp.float32)
+      laid = {}
+      for split in ("slices", "swap"):
+        with mock.patch.object(stored, "GRAD_SPLIT", split):
+          laid[split] = np.asarray(stored.to_grads(grads, BF16))
+      test_util.assert_bits_equal(self, laid["swap"], laid["slices"])
+
   def test_gather_empty(self):
     out = kernels.gather_rows(jnp.ones((5, 8)), jnp.zeros((0,), jnp.int32),
                               backend=BACKEND)
