@@ -63,6 +63,23 @@ def compiler_params(*semantics: str):
                               vmem_limit_bytes=VMEM_LIMIT)
 
 
+def update_in_place(kernel, grid_spec, prefetch, inputs, states, *,
+                    interpret: bool, name: str):
+  """`kernel` over a sequential grid (`grid_spec`, one scalar prefetch
+  operand), its operands `prefetch, *inputs, *states`, writing `states`
+  in place (aliased): the new states."""
+  return pl.pallas_call(
+      kernel,
+      out_shape=tuple(jax.ShapeDtypeStruct(s.shape, s.dtype) for s in states),
+      grid_spec=grid_spec,
+      input_output_aliases={1 + len(inputs) + i: i
+                            for i in range(len(states))},
+      compiler_params=compiler_params("arbitrary"),
+      interpret=interpret_params(interpret),
+      name=name,
+  )(prefetch, *inputs, *states)
+
+
 def smem_blocks(ids: jax.Array, rows: int) -> jax.Array:
   """`[B * rows]` ids as `[B, 1, rows]`, the layout `smem_block` reads."""
   return ids.reshape(-1, 1, rows)

@@ -261,12 +261,11 @@ def _update_rows(rule, table, row_state, element_state, unique_tokens,
              dma.smem_blocks(dest, block), grad)
             + tuple(dma.smem_blocks(c, block) for c in coeffs)
             + (scalar_array,))
-  outs = pl.pallas_call(
+  outs = dma.update_in_place(
       functools.partial(_kernel, rule=rule, num_coeffs=num_coeffs,
                         coeff_inputs=len(coeffs),
                         num_scalars=len(scalars), block=block),
-      out_shape=tuple(jax.ShapeDtypeStruct(s.shape, s.dtype) for s in states),
-      grid_spec=pltpu.PrefetchScalarGridSpec(
+      pltpu.PrefetchScalarGridSpec(
           num_scalar_prefetch=1,
           grid=(num_blocks,),
           in_specs=[smem(0), smem(1), smem(0),
@@ -282,13 +281,8 @@ def _update_rows(rule, table, row_state, element_state, unique_tokens,
                  pltpu.SMEM((2,), jnp.int32),
                  pltpu.VMEM((len(coeffs), block, stored.LANES),
                             jnp.float32)])),
-      # The first operand (index 0) is the scalar prefetch.
-      input_output_aliases={1 + len(inputs) + i: i
-                            for i in range(len(states))},
-      compiler_params=dma.compiler_params("arbitrary"),
-      interpret=dma.interpret_params(interpret),
-      name=rule.kernel_name + "_tpu",
-  )(live, *inputs, *states)
+      live, inputs, states, interpret=interpret,
+      name=rule.kernel_name + "_tpu")
   return outs[0], tuple(row_state), tuple(outs[1:])
 
 

@@ -246,11 +246,10 @@ def stream_update(rule, table: jax.Array, row_state: Sequence[jax.Array],
   inputs = (dma.smem_blocks(tokens, block), dma.smem_blocks(tokens, block),
             dma.smem_blocks(sq, block), dma.smem_blocks(sq, block),
             grad, grad, flags, scalar_array)
-  outs = pl.pallas_call(
+  outs = dma.update_in_place(
       functools.partial(_kernel, rule=rule, num_scalars=len(scalars),
                         emb_width=emb_width, block=block),
-      out_shape=tuple(jax.ShapeDtypeStruct(s.shape, s.dtype) for s in states),
-      grid_spec=pltpu.PrefetchScalarGridSpec(
+      pltpu.PrefetchScalarGridSpec(
           num_scalar_prefetch=1,
           grid=(num_blocks,),
           in_specs=[smem_slots(0), smem_slots(1), smem_slots(0),
@@ -261,13 +260,8 @@ def stream_update(rule, table: jax.Array, row_state: Sequence[jax.Array],
           out_specs=tuple(state_specs),
           scratch_shapes=[pltpu.VMEM((block, grad_width), jnp.float32),
                           pltpu.VMEM((block, stored.LANES), jnp.float32)]),
-      # The first operand (index 0) is the scalar prefetch.
-      input_output_aliases={1 + len(inputs) + i: i
-                            for i in range(len(states))},
-      compiler_params=dma.compiler_params("arbitrary"),
-      interpret=dma.interpret_params(interpret),
-      name=rule.kernel_name + "_stream_tpu",
-  )(bounds, *inputs, *states)
+      bounds, inputs, states, interpret=interpret,
+      name=rule.kernel_name + "_stream_tpu")
   outs = (outs[0][:vocab_rows],) + tuple(outs[1:])
   new_rows = tuple(o.reshape(-1)[:vocab_rows]
                    for o in outs[1:1 + len(row_state)])
