@@ -236,13 +236,13 @@ def stream_update(rule, table: jax.Array, row_state: Sequence[jax.Array],
                           lambda b, bounds: (b, 0))
   element_spec = pl.BlockSpec((block, grad_width), lambda b, bounds: (b, 0))
   states = (table,) + rows_2d + tuple(element_state)
-  if interpret:  # Pallas' TPU interpreter mis-shapes a partial last block
-    states = tuple(dma.padded(s, pl.cdiv(s.shape[0], rows) * rows, 0)
-                   for s, rows in zip(states, [block] + [
-                       block // stored.LANES] * len(rows_2d)
-                                      + [block] * len(element_state)))
   state_specs = ([table_spec] + [row_spec] * len(rows_2d)
                  + [element_spec] * len(element_state))
+  if interpret:  # Pallas' TPU interpreter mis-shapes a partial last block
+    states = tuple(
+        dma.padded(s, pl.cdiv(s.shape[0], spec.block_shape[0])
+                   * spec.block_shape[0], 0)
+        for s, spec in zip(states, state_specs))
   inputs = (dma.smem_blocks(tokens, block), dma.smem_blocks(tokens, block),
             dma.smem_blocks(sq, block), dma.smem_blocks(sq, block),
             grad, grad, flags, scalar_array)
@@ -262,8 +262,8 @@ def stream_update(rule, table: jax.Array, row_state: Sequence[jax.Array],
                           pltpu.VMEM((block, stored.LANES), jnp.float32)]),
       bounds, inputs, states, interpret=interpret,
       name=rule.kernel_name + "_stream_tpu")
-  outs = (outs[0][:vocab_rows],) + tuple(outs[1:])
-  new_rows = tuple(o.reshape(-1)[:vocab_rows]
-                   for o in outs[1:1 + len(row_state)])
-  return outs[0], new_rows, tuple(o[:vocab_rows]
-                                 for o in outs[1 + len(row_state):])
+  # The slices past V undo the padding (none on the chip).
+  rows_end = 1 + len(row_state)
+  return (outs[0][:vocab_rows],
+          tuple(o.reshape(-1)[:vocab_rows] for o in outs[1:rows_end]),
+          tuple(o[:vocab_rows] for o in outs[rows_end:]))
