@@ -560,7 +560,8 @@ class EmbeddingCollection:
         in_specs=(self._table_specs(), self._feature_specs(),
                   self._pooled_specs(), self._cache_map_specs(),
                   self._map_specs()),
-        out_specs=(self._feature_specs(), self._routing_specs()),
+        out_specs=(self._feature_specs(),
+                   self._routing_specs(self._routes_by_slot(layouts))),
     )(self._tables(state), self._placed(inputs.ids),
       self._placed_weights(inputs.weights), self._cache_maps(state),
       self._maps(state))
@@ -610,14 +611,25 @@ class EmbeddingCollection:
     return tuple(exchange.place(weights[name], self.token_sharding())
                  for name in self._order()[1])
 
-  def _routing_specs(self):
+  def _routing_specs(self, by_slot=None):
+    """The routings' specs; `by_slot`: per stack, whether its routing
+    carries its entries in slot order (`stack.routes_by_slot`)."""
     tokens = self._token_spec()
+    by_slot = by_slot or (False,) * len(self.plan.stacks)
     return tuple(
         row_lib.RowRouting(tokens, tokens, tokens, tokens, tokens, P(), P())
         if s.placement in ("row", "table") else
         stack_lib.StackRouting(P(), tokens, tokens, P(), P(),
-                               P() if s.slot_map else None)
-        for s in self.plan.stacks)
+                               P() if s.slot_map else None,
+                               (tokens,) * 3 if slotted else None)
+        for s, slotted in zip(self.plan.stacks, by_slot))
+
+  def _routes_by_slot(self, layouts) -> tuple[bool, ...]:
+    """Per stack, whether a lookup's routing carries its entries in slot
+    order."""
+    return tuple(stack_lib.routes_by_slot(layout, self.backend,
+                                          s.slot_map or None)
+                 for s, layout in zip(self.plan.stacks, layouts))
 
   # --- update ---------------------------------------------------------------
 
@@ -652,13 +664,15 @@ class EmbeddingCollection:
     without = state_lib.without_slot_maps
     specs = without(self._state_specs().stacks[s.name]
                     for s in self.plan.stacks)
-    routing_specs = without(self._routing_specs())
+    given = tuple(routing.stacks[s.name] for s in self.plan.stacks)
+    all_specs = self._routing_specs(tuple(
+        getattr(r, "by_slot", None) is not None for r in given))
+    routing_specs = without(all_specs)
     fn = functools.partial(per_rank.apply_per_rank, self.backend,
                            self.kernel_config, tuple(self.features), layouts)
     stack_states = without(self._stack_states(state))
-    routings = without(exchange.place_state(
-        tuple(routing.stacks[s.name] for s in self.plan.stacks),
-        self._routing_specs(), self.mesh, "routing"))
+    routings = without(exchange.place_state(given, all_specs, self.mesh,
+                                            "routing"))
     new_states, stats = exchange.shard(
         layouts[0].ctx, fn,
         in_specs=(specs, routing_specs, self._feature_specs(), P()),

@@ -52,7 +52,8 @@ def _region_bounds(keys: jax.Array, real: jax.Array, regions, r: int):
 
 def unique_and_segments(keys: jax.Array, num_unique: int, *,
                         regions: Sequence[tuple[int, int]] | None = None,
-                        on_cpu: bool = False, on_tpu: bool = False):
+                        on_cpu: bool = False, on_tpu: bool = False,
+                        sort_along: Sequence[jax.Array] = ()):
   """Sorted unique keys (padded with FILL_VALUE) and each key's slot.
 
   Args:
@@ -72,17 +73,27 @@ def unique_and_segments(keys: jax.Array, num_unique: int, *,
       20 ns each on a v5e, and sorts 327,680 pairs in 0.6 ms): the unique
       rows are compacted and the slots put back in entry order by two more
       sorts.
+    sort_along: arrays `[N]` that the first sort carries, the keys' positions
+      breaking ties (on every platform): the entries in slot order, each
+      slot's in entry order, for a consumer that would otherwise sort them
+      again (the Mosaic gradient sums).
 
   Returns:
     `(unique_tokens [num_unique], segment_ids like keys, num_distinct,
     num_overflow)`: the kept rows sorted, then FILL_VALUE; a key whose
     region is full
     gets segment -1 and is counted in `num_overflow` (int32 scalars, over
-    all regions).
+    all regions). Given `sort_along`, a fifth: `(slots, *sort_along)`
+    in slot order, `slots` holding each entry's slot (`num_unique` for
+    none; those sit among the others where their keys sort).
   """
   n = keys.shape[0]
   regions = _check_regions(regions, num_unique, "unique_and_segments")
-  if on_cpu:
+  along = ()
+  if sort_along:
+    ordered, order, *along = lax.sort(
+        (keys, lax.iota(jnp.int32, n), *sort_along), num_keys=2)
+  elif on_cpu:
     ordered = jnp.sort(keys)
   else:
     ordered, order = lax.sort((keys, lax.iota(jnp.int32, n)), num_keys=1)
@@ -106,6 +117,8 @@ def unique_and_segments(keys: jax.Array, num_unique: int, *,
     num_overflow += distinct - kept
     base += kept
   kept_slot = jnp.where(is_first & (slot >= 0), slot, num_unique)
+  by_slot = ((jnp.where(slot >= 0, slot, num_unique), *along),) if (
+      sort_along) else ()
   if on_tpu:
     # The kept rows sorted by their slots come first; the slots, sorted by
     # the positions the keys came from, are back in entry order.
@@ -116,7 +129,7 @@ def unique_and_segments(keys: jax.Array, num_unique: int, *,
                      jnp.pad(compact, (0, num_unique - n),
                              constant_values=FILL_VALUE))
     _, segment_ids = lax.sort((order, slot), num_keys=1)
-    return unique_tokens, segment_ids, num_distinct, num_overflow
+    return (unique_tokens, segment_ids, num_distinct, num_overflow, *by_slot)
   unique_tokens = jnp.full((num_unique,), FILL_VALUE, jnp.int32).at[
       kept_slot].set(ordered, mode="drop")
   # `rank` does not grow inside a run of equal keys, so every position of
@@ -129,7 +142,7 @@ def unique_and_segments(keys: jax.Array, num_unique: int, *,
   else:
     segment_ids = jnp.zeros((n,), jnp.int32).at[order].set(
         slot, unique_indices=True)
-  return unique_tokens, segment_ids, num_distinct, num_overflow
+  return (unique_tokens, segment_ids, num_distinct, num_overflow, *by_slot)
 
 
 

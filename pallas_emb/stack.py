@@ -29,6 +29,7 @@ from pallas_emb.dedup import unique_and_segments
 from pallas_emb.dedup import unique_by_slot_map
 from pallas_emb.errors import InputError
 from pallas_emb.kernels import common
+from pallas_emb.kernels.mosaic_tpu import segment_sum
 from pallas_emb.kernels.mosaic_tpu import stored
 from pallas_emb.layout import FeatureLayout
 from pallas_emb.layout import StackLayout
@@ -49,6 +50,11 @@ class StackRouting(NamedTuple):
   num_distinct, num_overflow: int32 scalars (see `dedup`).
   slot_map: the stack's slot map after this route (all MAP_SENTINEL again),
     replicated, on its way back into the state; None for the sort dedup.
+  by_slot: per rank, the entries of the communicator in slot order (each
+    slot's in entry order): `(slots, routed rows, weights)` as the Mosaic
+    gradient sums read them, `U` for no slot; the dedup's sort carries
+    them (`routes_by_slot`), which spares the gradient sums a sort of
+    their own. None elsewhere.
   """
   unique_tokens: jax.Array
   segments: jax.Array
@@ -56,6 +62,7 @@ class StackRouting(NamedTuple):
   num_distinct: jax.Array
   num_overflow: jax.Array
   slot_map: jax.Array | None = None
+  by_slot: tuple[jax.Array, jax.Array, jax.Array] | None = None
 
 
 # --- keys and weights ------------------------------------------------------------
@@ -189,7 +196,8 @@ def serve_and_route(layout: StackLayout, backend: str, table, keys_all,
   """
   served = gather_served(layout, backend, table, keys_all, weights_all,
                          kernel_config)
-  routing = route(layout, keys_all, weights_all, slot_map)
+  routing = route(layout, keys_all, weights_all, slot_map,
+                  by_slot=routes_by_slot(layout, backend, slot_map))
   return exchange_served(layout, served), routing._replace(
       unique_tokens=_after_served(layout, routing.unique_tokens, served))
 
@@ -359,20 +367,37 @@ def grad_sums_by_position(layout: StackLayout, grads: Sequence[jax.Array],
       accum, round_dtype, slots(segments).reshape(-1))
 
 
+def routes_by_slot(layout: StackLayout, backend: str | None,
+                   slot_map=None) -> bool:
+  """Whether the stack's routing carries its entries in slot order
+  (`StackRouting.by_slot`): a sort dedup on the Mosaic backend, of a
+  column stack without replicas (whose entries are this rank's alone)."""
+  return (backend in update_lib.MOSAIC and slot_map is None
+          and layout.placement != REPLICATED and not layout.ctx.replica_axis)
+
+
 def route(layout: StackLayout, keys_all, weights_all,
-          slot_map=None) -> StackRouting:
+          slot_map=None, by_slot: bool = False) -> StackRouting:
   """Dedup of the communicator's keys (global over replicas); through
-  `slot_map` (the stack's, from its state) if given, else by a sort."""
+  `slot_map` (the stack's, from its state) if given, else by a sort.
+  `by_slot`: the sort carries the entries' routed rows and weights too
+  (`routes_by_slot`)."""
   keys = jnp.where(keys_all < 0, FILL_VALUE, keys_all).reshape(-1)
+  along = ()
+  if by_slot:
+    along = (jnp.asarray(_entry_rows(layout)),
+             _entry_weights(layout, weights_all))
   *dedup, slot_map = dedup_over_replicas(
-      layout.ctx, keys, layout.ctx.num_unique, layout.regions, slot_map)
-  unique, segments, distinct, overflow = dedup
+      layout.ctx, keys, layout.ctx.num_unique, layout.regions, slot_map,
+      sort_along=along)
+  unique, segments, distinct, overflow, *sorted_entries = dedup
   return StackRouting(unique, segments, weights_all.reshape(-1), distinct,
-                      overflow, slot_map)
+                      overflow, slot_map,
+                      sorted_entries[0] if sorted_entries else None)
 
 
 def dedup_over_replicas(ctx, keys: jax.Array, num_unique: int, regions=(),
-                        slot_map=None):
+                        slot_map=None, sort_along=()):
   """`unique_and_segments` of `keys` `[N]` (FILL_VALUE: none) over every
   replica: the unique rows are the same on every replica (so each applies
   the same update to the same slots), the segments this replica's `[N]`.
@@ -383,17 +408,18 @@ def dedup_over_replicas(ctx, keys: jax.Array, num_unique: int, regions=(),
   if ctx.replica_axis:
     keys = lax.all_gather(keys, exchange.axis_name(ctx.replica_axis),
                           axis=0, tiled=True)
+  by_slot = ()
   if slot_map is None:
-    unique, segments, distinct, overflow = unique_and_segments(
+    unique, segments, distinct, overflow, *by_slot = unique_and_segments(
         keys, num_unique, regions=regions, on_cpu=on_cpu(ctx),
-        on_tpu=on_tpu(ctx))
+        on_tpu=on_tpu(ctx), sort_along=sort_along)
   else:
     unique, segments, distinct, overflow, slot_map = unique_by_slot_map(
         keys, num_unique, slot_map, regions=regions)
   if ctx.replica_axis:
     replica = lax.axis_index(exchange.axis_name(ctx.replica_axis))
     segments = lax.dynamic_slice_in_dim(segments, replica * n, n)
-  return unique, segments, distinct, overflow, slot_map
+  return (unique, segments, distinct, overflow, *by_slot, slot_map)
 
 
 def on_cpu(ctx) -> bool:
@@ -515,34 +541,34 @@ def _mosaic_grad_sums(layout: StackLayout, backend: str, table,
   entry's combiner weight) is added to its slot by the kernel, in entry
   order: no per-entry gradient rows."""
   ctx = layout.ctx
-  w = ctx.group_size
   dtype = stored.logical_dtype(table)
   routed = _routed_rows(layout, grads)  # [W, T, S]
   rows = stored.to_grads(routed.reshape(-1, routed.shape[-1]), dtype)
-  entry_rows, entry_weights = _entry_rows(layout)
-  if layout.pooled:
-    pooled = weights_all.reshape(w, -1)
-    weights = jnp.concatenate(
-        [jnp.ones((w, layout.sequence_entries), jnp.float32),
-         pooled.astype(jnp.float32)], axis=1).reshape(-1)
-  else:
-    weights = jnp.asarray(entry_weights)
   unique = routing.unique_tokens
   num_unique = unique.shape[0]
   used = jnp.max(jnp.where(unique != FILL_VALUE,
                            jnp.arange(1, num_unique + 1), 0), initial=0)
-  grad_accum = kernels.grad_sums(rows, entry_rows, routing.segments, weights,
-                                 num_unique, used, backend=backend)
+  if routing.by_slot is not None and segment_sum.fits_sorted(*rows.shape):
+    slots, entry_rows, weights = routing.by_slot
+    grad_accum = kernels.grad_sums(rows, entry_rows, slots, weights,
+                                   num_unique, used, backend=backend,
+                                   slot_sorted=True)
+  else:
+    grad_accum = kernels.grad_sums(rows, _entry_rows(layout), routing.segments,
+                                   _entry_weights(layout, weights_all),
+                                   num_unique, used, backend=backend)
+  if ctx.replica_axis:  # the replicas' sums are added whole
+    grad_accum = jnp.where((jnp.arange(num_unique) < used)[:, None],
+                           grad_accum, 0.0)
   row_sq = update_lib.logical_row_sums(grad_accum, ctx.shard_width, dtype,
                                        used)
   return grad_accum, row_sq
 
 
-def _entry_rows(layout: StackLayout):
+def _entry_rows(layout: StackLayout) -> np.ndarray:
   """Per entry of the communicator (the all-gathered order `[W, E]`,
   flat): the routed row it reads (its own for a sequence id, its bag's
-  for a pooled entry; never decreasing) and its weight for a stack with
-  sequence features only (1). Static."""
+  for a pooled entry; never decreasing). Static."""
   w = layout.ctx.group_size
   seq = layout.sequence_entries
   rows_per_rank = seq + layout.pooled_bags
@@ -551,7 +577,18 @@ def _entry_rows(layout: StackLayout):
                               np.arange(seq, dtype=np.int32))
   rows = (np.arange(w, dtype=np.int32)[:, None] * rows_per_rank
           + local[None, :]).reshape(-1)
-  return rows.astype(np.int32), np.ones(rows.shape, np.float32)
+  return rows.astype(np.int32)
+
+
+def _entry_weights(layout: StackLayout, weights_all) -> jax.Array:
+  """f32 per entry of the communicator (the order of `_entry_rows`): 1 for
+  a sequence id, its combiner weight for a pooled entry."""
+  w = layout.ctx.group_size
+  if not layout.pooled:
+    return jnp.ones((w * layout.sequence_entries,), jnp.float32)
+  return jnp.concatenate(
+      [jnp.ones((w, layout.sequence_entries), jnp.float32),
+       weights_all.reshape(w, -1).astype(jnp.float32)], axis=1).reshape(-1)
 
 
 def dense_grad(layout: StackLayout, table, keys_all, weights_all, cotangents):

@@ -53,16 +53,23 @@ def logical_row_sums(grad_accum: jax.Array, width: int, dtype,
   columns (`stored.to_grads`), over their logical columns in order (so a
   row's norm has the bits it has on the other backends), `[U + 1]`.
 
-  `used`: slots at and past it are zero (a chunk at a time up to it)."""
+  `used`: the slots at and past it are not read (they may be undefined:
+  the Mosaic gradient sums leave them unwritten); their norms are 0. The
+  used ones are summed a chunk at a time."""
   num_slots = grad_accum.shape[0]
   logical = lambda g: stored.from_grads(g, width, dtype)
-  if used is None or num_slots <= ROW_SUM_CHUNK:
+  if used is None:
     return common.row_square_sums(logical(grad_accum), dtype)
+  if num_slots <= ROW_SUM_CHUNK:
+    mask = (jnp.arange(num_slots) < used)[:, None]
+    return common.row_square_sums(logical(jnp.where(mask, grad_accum, 0.0)),
+                                  dtype)
 
   def body(start, fresh, row_sq):
     del fresh  # A slot's sum is the same each time it is computed.
     chunk = lax.dynamic_slice_in_dim(grad_accum, start, ROW_SUM_CHUNK)
     sums = common.row_square_sums(logical(chunk), dtype)[:ROW_SUM_CHUNK]
+    sums = jnp.where(start + jnp.arange(ROW_SUM_CHUNK) < used, sums, 0.0)
     return lax.dynamic_update_slice_in_dim(row_sq, sums, start, 0)
 
   row_sq = kernels.xla._over_used_chunks(  # pylint: disable=protected-access

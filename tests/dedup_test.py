@@ -137,6 +137,40 @@ class DedupTest(chex.TestCase):
                                   uniq[:num_unique])
     self.assertEqual(int(both[0][3]), max(0, uniq.size - num_unique))
 
+  @parameterized.parameters((40, None, False), (12, None, True),
+                            (20, ((0, 8), (30, 12)), False),
+                            (9, ((0, 4), (30, 5)), True))
+  def test_sort_along_gives_the_entries_in_slot_order(self, num_unique,
+                                                      regions, on_tpu):
+    # A numpy model: each entry's slot from the dedup's segments, then a
+    # stable sort of the entries by it (no slot: num_unique, placed where
+    # the entry's key sorts; here FILL keys sort last, overflow keys among
+    # the others).
+    rng = np.random.default_rng(num_unique)
+    keys = rng.integers(0, 60, 300).astype(np.int32)
+    keys[rng.random(300) < 0.2] = pe.FILL_VALUE
+    rows = rng.integers(0, 1000, 300).astype(np.int32)
+    weights = rng.standard_normal(300).astype(np.float32)
+    run = jax.jit(functools.partial(
+        unique_and_segments, num_unique=num_unique, regions=regions,
+        on_tpu=on_tpu))
+    plain = run(keys)
+    *dedup, (slots, got_rows, got_weights) = run(keys, sort_along=(
+        jnp.asarray(rows), jnp.asarray(weights)))
+    for a, b in zip(plain, dedup):
+      np.testing.assert_array_equal(a, b)
+    segments = np.asarray(dedup[1])
+    if num_unique < 20:  # some keys overflow: no slot, among the others
+      self.assertGreater(int(dedup[3]), 0)
+    order = np.lexsort((np.arange(300), keys))  # by key, then position
+    np.testing.assert_array_equal(
+        slots, np.where(segments[order] >= 0, segments[order], num_unique))
+    np.testing.assert_array_equal(got_rows, rows[order])
+    np.testing.assert_array_equal(got_weights, weights[order])
+    # Each slot's entries come together, in entry order.
+    taken = np.asarray(slots) < num_unique
+    self.assertTrue(np.all(np.diff(np.asarray(slots)[taken]) >= 0))
+
   def test_default_num_unique_never_overflows(self):
     self.assertEqual(pe.default_num_unique(16, 1000), 17)
     self.assertEqual(pe.default_num_unique(16, 5), 6)

@@ -109,17 +109,20 @@ class LookupKernelTest(parameterized.TestCase):
     test_util.assert_bits_equal(self, stored.from_grads(laid, width, dtype),
                                 np.asarray(grads))
 
-  def test_grad_split_forms_agree(self):
-    """`to_grads`' two ways of taking a bf16 gradient's columns apart give
-    the same bits (odd widths, one 128-lane row or two, 3-D inputs)."""
+  def test_grad_layout_matches_numpy_model(self):
+    """`to_grads` of a bf16 gradient: its even columns, then its odd ones,
+    each padded to `high_offset` (odd widths, one 128-lane row or two,
+    3-D inputs)."""
     rng = np.random.default_rng(1)
     for shape in ((9, 7), (9, 64), (5, 128), (4, 3, 200), (6, 256)):
-      grads = jnp.asarray(rng.standard_normal(shape), jnp.float32)
-      laid = {}
-      for split in ("slices", "swap"):
-        with mock.patch.object(stored, "GRAD_SPLIT", split):
-          laid[split] = np.asarray(stored.to_grads(grads, BF16))
-      test_util.assert_bits_equal(self, laid["swap"], laid["slices"])
+      grads = rng.standard_normal(shape).astype(F32)
+      half = stored.high_offset(shape[-1], BF16)
+      pad = lambda x: np.pad(x, [(0, 0)] * (x.ndim - 1)
+                             + [(0, half - x.shape[-1])])
+      want = np.concatenate([pad(grads[..., 0::2]), pad(grads[..., 1::2])],
+                            axis=-1)
+      test_util.assert_bits_equal(
+          self, stored.to_grads(jnp.asarray(grads), BF16), want)
 
   def test_gather_empty(self):
     out = kernels.gather_rows(jnp.ones((5, 8)), jnp.zeros((0,), jnp.int32),
@@ -257,11 +260,14 @@ class GradSumsKernelTest(parameterized.TestCase):
   on their own, summed per slot in entry order) and its jnp twin
   (`jax.ops.segment_sum` of the weighted rows), over several entry blocks
   and several passes of slots (both made small here), in its windowed and
-  its sorted form (slot buffers of U not a multiple of 8, few live slots)."""
+  its sorted form (slot buffers of U not a multiple of 8, few live slots),
+  and the sorted form's walk given the entries in slot order (entries of
+  no slot among them, as the dedup leaves a full region's)."""
 
   @parameterized.parameters((128, 40, 40, "windowed"), (256, 40, 23, "windowed"),
                             (128, 43, 43, "sorted"), (256, 45, 37, "sorted"),
-                            (128, 6, 5, "sorted"))
+                            (128, 6, 5, "sorted"), (128, 43, 40, "slot_sorted"),
+                            (256, 9, 9, "slot_sorted"))
   def test_matches_model_and_twin(self, width, num_slots, live, method):
     rng = np.random.default_rng(width + live)
     num_rows = 150
@@ -275,23 +281,60 @@ class GradSumsKernelTest(parameterized.TestCase):
     slots[rng.random(n) < 0.05] = num_slots  # past the buffer: none either
     # Every live slot is taken (a dedup's slots are a prefix).
     slots[rng.choice(n, live, replace=False)] = np.arange(live)
+    given = (entry_rows, slots, weights)
+    if method == "slot_sorted":
+      # Stable by slot, then the no-slot entries spread between the slots'
+      # runs (a full region's keys sort between the kept ones).
+      order = np.argsort(np.where((slots >= 0) & (slots < num_slots), slots,
+                                  num_slots), kind="stable")
+      taken = order[(slots[order] >= 0) & (slots[order] < num_slots)]
+      run_starts = np.flatnonzero(np.diff(slots[taken], prepend=-2))
+      order = np.insert(taken, rng.choice(run_starts, n - taken.size),
+                        np.setdiff1d(order, taken))
+      given = (entry_rows[order], slots[order], weights[order])
     with mock.patch.object(segment_sum, "ENTRY_BLOCK", 64), \
          mock.patch.object(segment_sum, "SUMS_BYTES", 4 * width * 16):
       got = segment_sum.grad_sums(
-          jnp.asarray(rows), entry_rows, jnp.asarray(slots),
-          jnp.asarray(weights), num_slots, jnp.int32(live), method=method,
+          jnp.asarray(rows), jnp.asarray(given[0]), jnp.asarray(given[1]),
+          jnp.asarray(given[2]), num_slots, jnp.int32(live),
+          method="sorted" if method == "slot_sorted" else method,
+          slot_sorted=method == "slot_sorted",
           interpret=BACKEND == "mosaic_tpu_interpret")
     want = np.zeros((num_slots, width), F32)
     for e in range(n):
       if 0 <= slots[e] < num_slots:
         want[slots[e]] += weights[e] * rows[entry_rows[e]]
-    test_util.assert_bits_equal(self, got, want)
+    # The sorted form leaves the slots past the live ones unwritten.
+    shown = num_slots if method == "windowed" else live
+    test_util.assert_bits_equal(self, got[:shown], want[:shown])
     keep = (slots >= 0) & (slots < num_slots)
     twin = jax.ops.segment_sum(
         jnp.where(keep[:, None], weights[:, None] * rows[entry_rows], 0.0),
         np.where(keep, slots, 0), num_segments=num_slots)
-    np.testing.assert_allclose(np.asarray(got), np.asarray(twin), rtol=1e-5,
-                               atol=1e-5)
+    np.testing.assert_allclose(np.asarray(got[:shown]),
+                               np.asarray(twin[:shown]), rtol=1e-5, atol=1e-5)
+
+
+  @parameterized.parameters((F32, 64, 40, 29), (BF16, 64, 40, 17),
+                            (F32, 200, 24, 24), (BF16, 16, 9, 0))
+  def test_row_norms_stop_at_the_used_slots(self, dtype, width, num_slots,
+                                            used):
+    """`update.logical_row_sums` never reads the slots the sorted form
+    leaves unwritten (NaN here), in one piece and a chunk at a time."""
+    rng = np.random.default_rng(used)
+    logical = rng.standard_normal((num_slots, width)).astype(F32)
+    sums = np.array(stored.to_grads(jnp.asarray(logical), dtype))
+    sums[used:] = np.nan
+    # A float64 model: the rounded columns' squares summed per used slot.
+    rounded = np.asarray(jnp.asarray(logical).astype(dtype).astype(F32),
+                         np.float64)
+    want = np.where(np.arange(num_slots) < used, (rounded ** 2).sum(1), 0)
+    for chunk in (64, 8):
+      with mock.patch.object(pe.update, "ROW_SUM_CHUNK", chunk):
+        got = np.asarray(pe.update.logical_row_sums(
+            jnp.asarray(sums), width, dtype, jnp.int32(used)))
+      np.testing.assert_allclose(got[:-1], want, rtol=1e-5)
+      np.testing.assert_allclose(got[-1], want.sum(), rtol=1e-5)
 
 
 class SparseUpdateTest(parameterized.TestCase):

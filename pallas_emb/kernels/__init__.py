@@ -133,16 +133,18 @@ def segment_sum_rows(grads, segment_ids, num_segments: int, *, round_dtype,
 
 
 def grad_sums(rows, entry_rows, slots, weights, num_slots: int, live_slots,
-              *, backend: str):
+              *, backend: str, slot_sorted: bool = False):
   """f32 `[num_slots, G]` sums of `weights[e] * rows[entry_rows[e]]` per
   slot, in entry order (the Mosaic backend's segment sum from a bag's
-  gradient straight to its entries' slots; `mosaic_tpu/segment_sum.py`)."""
+  gradient straight to its entries' slots; `mosaic_tpu/segment_sum.py`).
+  `slot_sorted`: the entries come in slot order (the dedup's by-product)."""
   if _implementation(backend) != "mosaic_tpu":
     raise ValueError(f"pallas_emb grad_sums runs on the Mosaic backend, not "
                      f"{backend!r}.")
   from pallas_emb.kernels.mosaic_tpu import segment_sum  # pylint: disable=g-import-not-at-top
   return segment_sum.grad_sums(rows, entry_rows, slots, weights, num_slots,
-                               live_slots, interpret=_interpret(backend))
+                               live_slots, slot_sorted=slot_sorted,
+                               interpret=_interpret(backend))
 
 
 def sparse_update_rows(rule, table, row_state, element_state,

@@ -24,7 +24,8 @@ with the batch's distinct rows (a v5e took 10.8 ms for 327,680 entries of
 in VMEM (`SORTED_ROWS_BYTES`), `grad_sums` runs the sorted form instead:
 the entries are sorted by slot (stable: entry order within a slot, so the
 same sums bit for bit), the rows are copied into VMEM once, and one walk
-over the sorted entries adds each into a ring of slot rows in VMEM. The
+over the sorted entries adds each into a ring of slot rows in VMEM (the
+slot's running sum kept in a register, stored after every add). The
 slots a block of sorted entries touches are consecutive (a dedup's slots
 are a prefix), so every slot below the next block's first is complete:
 its rows leave the ring by 8-row DMAs while the next block is summed, and
@@ -123,10 +124,15 @@ def _kernel(starts_ref, live_ref,  # scalar prefetch: [blocks], [1]
     copy.wait()
 
 
+def fits_sorted(num_rows: int, width: int) -> bool:
+  """Whether `[num_rows, width]` f32 gradient rows fit the sorted form."""
+  return num_rows * width * 4 <= SORTED_ROWS_BYTES
+
+
 def grad_sums(rows: jax.Array, entry_rows: np.ndarray, slots: jax.Array,
               weights: jax.Array, num_slots: int, live_slots: jax.Array, *,
-              method: str | None = None, interpret: bool = False
-              ) -> jax.Array:
+              method: str | None = None, slot_sorted: bool = False,
+              interpret: bool = False) -> jax.Array:
   """f32 `[num_slots, G]`: per slot, `sum_e weights[e] * rows[entry_rows[e]]`
   over the entries e whose `slots[e]` is that slot, in entry order.
 
@@ -139,10 +145,16 @@ def grad_sums(rows: jax.Array, entry_rows: np.ndarray, slots: jax.Array,
       prefix; the sorted form relies on it).
     weights: f32 `[N]` each entry's factor.
     num_slots: the sum buffer's slots U.
-    live_slots: int32 scalar; slots at and past it get no entry (they are
-      zeros).
+    live_slots: int32 scalar; slots at and past it get no entry: zeros in
+      the windowed form, left unwritten (undefined) by the sorted one
+      (a 160 MiB zero fill of 327,680 slots saved; readers stop at it).
     method: "sorted" or "windowed" (see the module doc); None: sorted when
       the rows fit `SORTED_ROWS_BYTES`.
+    slot_sorted: the entries come in slot order, each slot's in entry
+      order, as the dedup's sort leaves them (`dedup.unique_and_segments`'
+      `sort_along`); entries of no slot may sit between two slots' runs
+      (never inside one), and `entry_rows` may be traced. The sorted form then skips its sort (the
+      rows must fit it).
   """
   num_rows, width = rows.shape
   (num_entries,) = entry_rows.shape
@@ -153,8 +165,15 @@ def grad_sums(rows: jax.Array, entry_rows: np.ndarray, slots: jax.Array,
       -(-num_entries // dma.ROW_ALIGN) * dma.ROW_ALIGN)
   blocks = (entries, pl.cdiv(num_entries, entries))
   if method is None:
-    method = ("sorted" if num_rows * width * 4 <= SORTED_ROWS_BYTES
-              else "windowed")
+    method = "sorted" if fits_sorted(num_rows, width) else "windowed"
+  if slot_sorted:
+    if method != "sorted" or not fits_sorted(num_rows, width):
+      raise ValueError(
+          f"pallas_emb grad_sums: entries in slot order need the sorted "
+          f"form, whose rows must fit {SORTED_ROWS_BYTES} bytes; got method "
+          f"{method!r} and {num_rows} rows of {width} lanes.")
+    return _walk_sorted(rows, slots, entry_rows, weights, num_slots,
+                        live_slots, blocks, interpret)
   form = _sorted_grad_sums if method == "sorted" else _windowed_grad_sums
   return form(rows, entry_rows, slots, weights, num_slots, live_slots,
               blocks, interpret)
@@ -221,11 +240,10 @@ def _ring_rows(entries: int) -> int:
 
 def _sorted_kernel(firsts_ref, live_ref,  # scalar prefetch: [B + 1], [1]
                    slots_ref, entry_rows_ref, weights_ref,  # SMEM [1, E]
-                   rows_hbm, zeros_hbm,  # [T, G] f32; [U, G] f32 (aliased)
-                   out_hbm,  # [U, G] f32, HBM
+                   rows_hbm,  # [T, G] f32
+                   out_hbm,  # [U, G] f32, HBM (rows past the live: unwritten)
                    rows, ring, marks, rows_sem, write_sem, *, entries,
                    ring_rows, num_slots):
-  del zeros_hbm  # the output's rows past the live slots stay its zeros
   j, num_blocks = pl.program_id(0), pl.num_programs(0)
   mask = ring_rows - 1
   chunk = lambda c: pltpu.make_async_copy(
@@ -241,20 +259,32 @@ def _sorted_kernel(firsts_ref, live_ref,  # scalar prefetch: [B + 1], [1]
     marks[1] = 0  # slots from it up to marks[0] are being written
     copy.wait()
 
+  # The running sum of the current slot stays in a register and is stored
+  # (never re-read) after each add: a slot's adds come one after another
+  # in the sorted walk, so no add waits for the store before it. The sum
+  # restarts from zero when the slot changes (0 + x is x, so the same
+  # bits as adding into a zeroed row); the block's first slot may have
+  # begun in the block before, so the walk starts from its ring row.
+  at_of = lambda slot: jnp.where(slot < num_slots, slot & mask, ring_rows)
+  first_slot = slots_ref[0, 0]
+
   def body(k, carry):
+    prev, total = carry
     for u in range(dma.UNROLL):
       e = k * dma.UNROLL + u
       slot = slots_ref[0, e]
       # Entries that take no slot (sorted last) add into the trash row.
-      at = jnp.where(slot < num_slots, slot & mask, ring_rows)
       value = rows[pl.ds(entry_rows_ref[0, e], 1), :]
       product = weights_ref[0, e] * value
       # Rounded on its own (never contracted into the add), as
       # `common.unfused_product`.
       product = jnp.where(jnp.isnan(product), jnp.float32(jnp.nan), product)
-      ring[pl.ds(at, 1), :] += product
-    return carry
-  lax.fori_loop(0, entries // dma.UNROLL, body, 0)
+      total = jnp.where(slot == prev, total, 0.0) + product
+      ring[pl.ds(at_of(slot), 1), :] = total
+      prev = slot
+    return prev, total
+  lax.fori_loop(0, entries // dma.UNROLL, body,
+                (first_slot, ring[pl.ds(at_of(first_slot), 1), :]))
 
   # Once all of the previous block's writes have landed (a semaphore
   # counts bytes, not copies), their ring rows are zeroed for reuse.
@@ -302,19 +332,31 @@ def _sorted_grad_sums(rows, entry_rows, slots, weights, num_slots,
                       live_slots, blocks, interpret):
   """`grad_sums` by one walk over the entries sorted by slot (the module
   doc); the rows `[T, G]` sit in VMEM."""
-  num_rows, width = rows.shape
-  entries, num_blocks = blocks
-  size = num_blocks * entries
   slots = slots.astype(jnp.int32)
   keys = jnp.where((slots >= 0) & (slots < num_slots), slots, num_slots)
   # Stable: within a slot the entries keep their order.
   keys, sorted_rows, sorted_weights = lax.sort(
-      (dma.padded(keys, size, num_slots),
-       dma.padded(jnp.asarray(entry_rows, jnp.int32), size, 0),
-       dma.padded(weights.astype(jnp.float32), size, 0.0)),
+      (keys, jnp.asarray(entry_rows, jnp.int32), weights.astype(jnp.float32)),
       num_keys=1, is_stable=True)
-  firsts = jnp.concatenate([keys[::entries],
-                            jnp.full((1,), num_slots, jnp.int32)])
+  return _walk_sorted(rows, keys, sorted_rows, sorted_weights, num_slots,
+                      live_slots, blocks, interpret)
+
+
+def _walk_sorted(rows, slots, entry_rows, weights, num_slots, live_slots,
+                 blocks, interpret):
+  """The sorted form's walk over entries already in slot order."""
+  num_rows, width = rows.shape
+  entries, num_blocks = blocks
+  size = num_blocks * entries
+  slots = slots.astype(jnp.int32)
+  keys = dma.padded(
+      jnp.where((slots >= 0) & (slots < num_slots), slots, num_slots),
+      size, num_slots)
+  # The first slot of each block and of every block after it (the entries
+  # of no slot, `num_slots`, may sit between the slots' runs).
+  firsts = jnp.concatenate([
+      lax.cummin(keys.reshape(num_blocks, entries).min(axis=1), reverse=True),
+      jnp.full((1,), num_slots, jnp.int32)])
   ring_rows = _ring_rows(entries)
   smem = pl.BlockSpec((None, 1, entries), lambda j, *_: (j, 0, 0),
                       memory_space=pltpu.SMEM)
@@ -326,7 +368,7 @@ def _sorted_grad_sums(rows, entry_rows, slots, weights, num_slots,
       grid_spec=pltpu.PrefetchScalarGridSpec(
           num_scalar_prefetch=2,
           grid=(num_blocks,),
-          in_specs=[smem, smem, smem, any_spec, any_spec],
+          in_specs=[smem, smem, smem, any_spec],
           out_specs=any_spec,
           scratch_shapes=[pltpu.VMEM((num_rows, width), jnp.float32),
                           # The ring, then a trash row (a whole tile).
@@ -334,12 +376,13 @@ def _sorted_grad_sums(rows, entry_rows, slots, weights, num_slots,
                           pltpu.SMEM((2,), jnp.int32),
                           pltpu.SemaphoreType.DMA((1,)),
                           pltpu.SemaphoreType.DMA((2,))]),
-      # Operands: 2 scalar prefetches, 3 SMEM blocks, the rows, the zeros.
-      input_output_aliases={6: 0},
       compiler_params=dma.compiler_params("arbitrary"),
       interpret=dma.interpret_params(interpret),
       name="pallas_emb_sorted_grad_sums_tpu",
   )(firsts, jnp.reshape(live_slots, (1,)).astype(jnp.int32),
-    dma.smem_blocks(keys, entries), dma.smem_blocks(sorted_rows, entries),
-    dma.smem_blocks(sorted_weights, entries), rows.astype(jnp.float32),
-    jnp.zeros((num_slots, width), jnp.float32))
+    dma.smem_blocks(keys, entries),
+    dma.smem_blocks(dma.padded(entry_rows.astype(jnp.int32), size, 0),
+                    entries),
+    dma.smem_blocks(dma.padded(weights.astype(jnp.float32), size, 0.0),
+                    entries),
+    rows.astype(jnp.float32))
