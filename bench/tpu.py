@@ -120,13 +120,26 @@ def run_configuration(rows, width, dtype, kind, failures, dist="zipf"):
   compiles and runs; a case that fails is named in `failures` and left
   out (one run on a chip should measure everything that works)."""
   import jax  # pylint: disable=g-import-not-at-top
+  # Each phase's seconds are printed as it ends, so a run cut short by a
+  # time limit still says where its time went.
+  clock = [time.perf_counter()]
+
+  def phase(what):
+    now = time.perf_counter()
+    print(f"  {rows:,} x {width} {dtype} {kind} {dist}: {what} "
+          f"{now - clock[0]:.1f} s", flush=True)
+    clock[0] = now
+
   cases, batches = _cases(rows, width, dtype, kind, _IDS.value, _BAG.value,
                           _BACKENDS.value, _DENSE.value, _ZIPF.value, dist)
+  phase("ids and states")
   states, temps = {}, {}
   for name, (step, state) in list(cases.items()):
     try:
       temps[name] = _temporaries(step, state, batches[0])
+      phase(f"{name} compiled")
       states[name] = jax.block_until_ready(step(state, batches[0]))
+      phase(f"{name} first step")
     except Exception as e:  # pylint: disable=broad-except
       failures.append(f"{rows} x {width} {dtype} {kind} {name}: "
                       f"{type(e).__name__}: {e}")
