@@ -48,6 +48,7 @@ from pallas_emb import kernels
 from pallas_emb import ordering
 from pallas_emb import quantize
 from pallas_emb import stack
+from pallas_emb import stack_grads
 from pallas_emb import update as update_lib
 from pallas_emb.dedup import FILL_VALUE
 from pallas_emb.dedup import unique_and_segments
@@ -294,7 +295,7 @@ def _sent_grads(layout: StackLayout, grads, routing: RowRouting, backend,
                 round_dtype, kernel_config):
   """f32 `[W * C, D]`: this rank's gradient sums per send-buffer slot,
   delivered to the owners (ONE all-to-all; block w from rank w)."""
-  rows = stack.local_rows(grads)
+  rows = stack_grads.local_rows(grads)
   if layout.pooled:
     seq = layout.sequence_entries
     bags = rows[seq:]
@@ -316,7 +317,7 @@ def _owner_entry_grads(layout: StackLayout, grads, routing: RowRouting):
   gradient to every owner) times its weight."""
   ctx = layout.ctx
   w = ctx.group_size
-  bags = stack.local_rows(grads)
+  bags = stack_grads.local_rows(grads)
   received = exchange.all_to_all(ctx, jnp.tile(bags, (w, 1)))
   bag_of_entry = (np.arange(w, dtype=np.int32)[:, None] * layout.pooled_bags
                   + layout.entry_bags()[None]).reshape(-1)

@@ -28,6 +28,7 @@ from pallas_emb import inputs as inputs_lib
 from pallas_emb import per_rank as per_rank_lib
 from pallas_emb import kernels
 from pallas_emb import stack as stack_lib
+from pallas_emb import stack_grads as stack_grads_lib
 from pallas_emb.testing import hlo
 
 OPT_KW = dict(learning_rate=0.1, half_life_steps=3.0, weight_decay=0.05,
@@ -253,11 +254,11 @@ class GradSumsByPositionTest(absltest.TestCase):
                                                       stack_weights)
       routing = stack_lib.route(call, keys_all, weights_all)
       weights_all = routing.weights.reshape(call.ctx.group_size, -1)
-      got = stack_lib.grad_sums_by_position(call, stack_grads, weights_all,
+      got = stack_grads_lib.grad_sums_by_position(call, stack_grads, weights_all,
                                            routing.segments,
                                            call.ctx.num_unique, jnp.float32)
       want = kernels.segment_sum_rows(
-          stack_lib.routed_entry_grads(call, stack_grads, weights_all),
+          stack_grads_lib.routed_entry_grads(call, stack_grads, weights_all),
           routing.segments, call.ctx.num_unique, round_dtype=jnp.float32,
           backend="xla")
       return tuple(x[None] for x in got + want) + (
