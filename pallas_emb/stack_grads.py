@@ -146,8 +146,8 @@ def mosaic_grad_sums(layout: StackLayout, backend: str, table, routing,
   used = jnp.max(jnp.where(unique != FILL_VALUE,
                            jnp.arange(1, num_unique + 1), 0), initial=0)
   if routing.by_slot is not None and segment_sum.fits_sorted(*rows.shape):
-    slots, entry_rows, weights = routing.by_slot
-    grad_accum = kernels.grad_sums(rows, entry_rows, slots, weights,
+    slots, sorted_rows, weights = routing.by_slot
+    grad_accum = kernels.grad_sums(rows, sorted_rows, slots, weights,
                                    num_unique, used, backend=backend,
                                    slot_sorted=True)
   else:
