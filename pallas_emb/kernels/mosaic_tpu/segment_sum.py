@@ -153,8 +153,8 @@ def grad_sums(rows: jax.Array, entry_rows: np.ndarray, slots: jax.Array,
     slot_sorted: the entries come in slot order, each slot's in entry
       order, as the dedup's sort leaves them (`dedup.unique_and_segments`'
       `sort_along`); entries of no slot may sit between two slots' runs
-      (never inside one), and `entry_rows` may be traced. The sorted form then skips its sort (the
-      rows must fit it).
+      (never inside one), and `entry_rows` may be traced. The sorted form
+      then skips its sort (the rows must fit it).
   """
   num_rows, width = rows.shape
   (num_entries,) = entry_rows.shape
@@ -273,7 +273,8 @@ def _sorted_kernel(firsts_ref, live_ref,  # scalar prefetch: [B + 1], [1]
     for u in range(dma.UNROLL):
       e = k * dma.UNROLL + u
       slot = slots_ref[0, e]
-      # Entries that take no slot (sorted last) add into the trash row.
+      # Entries that take no slot (sorted last, or between two slots'
+      # runs) add into the trash row.
       value = rows[pl.ds(entry_rows_ref[0, e], 1), :]
       product = weights_ref[0, e] * value
       # Rounded on its own (never contracted into the add), as
