@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # The TPU check, in one run on a TPU VM with JAX installed (no network
-# needed), in about 8 minutes:
+# needed), in under 8 minutes (FULL=1: about 14):
 #
 #   bash bench/tpu_check.sh                       # on the chip
 #   WHEELS=/path/to/wheels bash bench/tpu_check.sh  # test deps from there
 #   SMOKE=1 bash bench/tpu_check.sh               # on a CPU: the same, tiny
 #   PROFILE=1 bash bench/tpu_check.sh             # + ms per op of a step
+#   FULL=1 bash bench/tpu_check.sh                # every case; 10M rows too
 #
 # 1. puts pallas_emb on PYTHONPATH (nothing is built or installed) and
 #    installs what its tests need that is missing (chex, absl-py, pytest,
@@ -14,12 +15,14 @@
 #    install is reported and the check goes on;
 # 2. runs the Mosaic kernels' tests on the chip (backend "mosaic_tpu": the
 #    kernels against numpy models and their twins, whole steps against the
-#    xla backend), in one process (one program at a time holds the chip);
+#    xla backend), in one process (one program at a time holds the chip):
+#    each test's names and cases taken in turn, as in CI, or with FULL=1
+#    every pair of them (half as long again);
 # 3. prints the step table of bench/tpu.py: the step on the default
-#    backend (mosaic_tpu) and on xla beside a dense optax step, 1M and 10M
-#    rows, f32 and bf16, sequence ids and bags of 20, with each step's
-#    temporaries; BENCH_FLAGS adds or overrides flags (e.g.
-#    "--widths=32,64,128,256 --kinds=sequence");
+#    backend (mosaic_tpu) beside a dense optax step, 1M rows (with FULL=1
+#    also 10M rows, and the xla backend at 1M), f32 and bf16, sequence ids
+#    and bags of 20, with each step's temporaries; BENCH_FLAGS adds or
+#    overrides flags (e.g. "--widths=32,64,128,256 --kinds=sequence");
 # 4. with PROFILE=1, prints where the 1M-row pooled step's device time goes
 #    (bench/tpu_profile.py: ms per op, about 40 s more).
 # Logs go to $LOG (default tpu_check_logs/).
@@ -28,6 +31,7 @@ cd "$(dirname "$0")/.."
 LOG="${LOG:-tpu_check_logs}"
 mkdir -p "$LOG"
 SMOKE="${SMOKE:-0}"
+FULL="${FULL:-0}"
 PYTHON="${PYTHON:-python3}"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
@@ -63,20 +67,26 @@ if [ "$SMOKE" = 1 ]; then
                --backends=mosaic_tpu_interpret,xla --repeats=1 --warmup=1)
   tests=(tests/mosaic_tpu_test.py -k "Lowering or Resolution or stored")
 else
-  backend_env=(PALLAS_EMB_TEST_BACKEND=mosaic_tpu)
+  pairs=turn
+  [ "$FULL" = 1 ] && pairs=all
+  backend_env=(PALLAS_EMB_TEST_BACKEND=mosaic_tpu PALLAS_EMB_TEST_PAIRS=$pairs)
   bench_flags=(--widths=64 --repeats=5 --warmup=1)
   tests=(tests/mosaic_tpu_test.py)
 fi
-# 1M rows with the xla backend beside; 10M rows without it (three 10M-row
-# states and their steps do not fit one 16 GB chip together).
+# FULL=1: 1M rows with the xla backend beside; 10M rows without it (three
+# 10M-row states and their steps do not fit one 16 GB chip together).
 if [ "$SMOKE" = 1 ]; then
   runs=("")
-else
+elif [ "$FULL" = 1 ]; then
   runs=("--rows=1000000" "--rows=10000000 --backends=mosaic_tpu")
+else
+  runs=("--rows=1000000 --backends=mosaic_tpu")
 fi
 
 echo "tpu_check: tests"
-env "${backend_env[@]}" timeout 300 "$PYTHON" -m pytest -q -o addopts="" \
+test_limit=300
+[ "$FULL" = 1 ] && test_limit=450
+env "${backend_env[@]}" timeout "$test_limit" "$PYTHON" -m pytest -q -o addopts="" \
   -p no:xdist -p no:cacheprovider "${tests[@]}" 2>&1 | tee "$LOG/tests.txt"
 echo "tpu_check: step table"
 i=0

@@ -44,13 +44,17 @@ BACKEND = ("mosaic_tpu" if test_util.ON_TPU
            or os.environ.get("PALLAS_EMB_TEST_BACKEND") == "mosaic_tpu"
            else "mosaic_tpu_interpret")
 EXACT = BACKEND == "mosaic_tpu_interpret"  # the chip's div/sqrt/exp may differ
+# On the chip every (name, case) pair, unless PALLAS_EMB_TEST_PAIRS=turn
+# (`bench/tpu_check.sh`'s quick run).
+ALL_PAIRS = (BACKEND == "mosaic_tpu"
+             and os.environ.get("PALLAS_EMB_TEST_PAIRS", "all") == "all")
 
 
 def each_in_turn(names, cases):
   """Parameters: on the chip every (name, case); in the interpreter, which
   runs a kernel some hundred times slower, each name with one case, the
   cases taken in turn (each name and each case still runs)."""
-  if BACKEND == "mosaic_tpu":
+  if ALL_PAIRS:
     return [dict(name=n, case=c) for n in names for c in cases]
   return [dict(name=names[i % len(names)], case=cases[i % len(cases)])
           for i in range(max(len(names), len(cases)))]

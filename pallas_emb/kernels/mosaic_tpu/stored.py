@@ -186,12 +186,25 @@ def rule_on_tiles(rule, coeffs, old, grad, element, scalars, roll):
   """`rule.column_update` on `[R, P]` tiles of a stored table (`old`) and
   its gradients and element-wise states (`[R, G]`, the gradients'
   layout): `(new table tile, {name: new state tile})`. A bf16 table's
-  words are unpacked into their low and high halves, each updated with its
-  half of the gradient columns, and packed again (`roll` as for
-  `split_grads`)."""
+  words are unpacked into their low and high halves and packed again
+  after the rule: one tile in the gradients' layout where both halves fit
+  it (`join_grads`), else each half with its half of the gradient columns
+  (`roll` as for `split_grads`)."""
   if old.dtype != WORD:
     return rule.column_update(coeffs, old, grad, element, scalars,
                               jnp.float32)
+  offset = grad.shape[1] // 2
+  if offset < old.shape[1]:
+    # The two halves fit one tile of the gradients' layout (a bf16 table of
+    # at most 128 columns): the rule runs once on it, where each half on
+    # its own tile did the same lane-wise work twice.
+    lane = lax.broadcasted_iota(jnp.int32, old.shape, 1)
+    values = join_grads(*unpack(old), grad.shape[1], roll)
+    new_values, new_elements = rule.column_update(
+        coeffs, values, grad, element, scalars, jnp.bfloat16)
+    new_words = pack(new_values, (roll or jnp.roll)(new_values, offset, 1))
+    # Past the words the lanes met other columns: those keep their bits.
+    return jnp.where(lane < offset, new_words, old), new_elements
   split = lambda x: split_grads(x, old.shape[1], roll)
   grads = split(grad)
   elements = {n: split(e) for n, e in element.items()}
@@ -199,11 +212,6 @@ def rule_on_tiles(rule, coeffs, old, grad, element, scalars, roll):
                               {n: e[h] for n, e in elements.items()},
                               scalars, jnp.bfloat16)
            for h, values in enumerate(unpack(old))]
-  new_words = pack(parts[0][0], parts[1][0])
-  offset = grad.shape[1] // 2
-  if offset < old.shape[1]:  # past the words the lanes met other columns
-    lane = lax.broadcasted_iota(jnp.int32, old.shape, 1)
-    new_words = jnp.where(lane < offset, new_words, old)
-  return new_words, {n: join_grads(parts[0][1][n], parts[1][1][n],
-                                   grad.shape[1], roll)
-                     for n in element}
+  return pack(parts[0][0], parts[1][0]), {
+      n: jnp.concatenate([parts[0][1][n], parts[1][1][n]], axis=1)
+      for n in element}
