@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The TPU check, in one run on a TPU VM with JAX installed (no network
-# needed), in under 8 minutes (FULL=1: about 14):
+# needed), in under 8 minutes (FULL=1: at most 14):
 #
 #   bash bench/tpu_check.sh                       # on the chip
 #   WHEELS=/path/to/wheels bash bench/tpu_check.sh  # test deps from there
