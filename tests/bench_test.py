@@ -257,6 +257,19 @@ class TpuBenchTest(absltest.TestCase):
                        [500, 64, "float32", "pooled", "zipf", "xla"])
       self.assertIn("device ops", stdout)
 
+  def test_bf16_conversion_table(self):
+    """`bench.tpu_convert`: both pairings time and round-trip one table."""
+    with tempfile.TemporaryDirectory() as tmp:
+      records, stdout = test_util.run_program(
+          "bench.tpu_convert", ["--rows=300", "--width=63", "--repeats=1"],
+          tmp)
+      self.assertEqual([r["convert"] for r in records], ["matmul", "pairs"])
+      for r in records:
+        self.assertTrue(r["round_trip"])
+        self.assertGreater(r["to_first_s"], 0)
+        self.assertGreater(r["from_s"], 0)
+      self.assertIn("| pairs |", stdout)
+
   def test_training_profile(self):
     """`bench.train_profile` runs a whole `examples.train` program traced."""
     with tempfile.TemporaryDirectory() as tmp:

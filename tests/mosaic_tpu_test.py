@@ -90,6 +90,27 @@ class LookupKernelTest(parameterized.TestCase):
                               backend=BACKEND)
     test_util.assert_bits_equal(self, out, want)
 
+  @parameterized.product(width=(8, 63, 64, 200, 256),
+                         convert=("pairs", "matmul"), leading=((9,), (2, 5)))
+  def test_bf16_words_match_numpy_model(self, width, convert, leading):
+    """Every bf16 bit pattern (NaNs, infinities, -0, subnormals) reaches
+    its word and comes back, by either pairing: column 2j in word j's low
+    half, 2j + 1 in its high half, zeros past the columns."""
+    rng = np.random.default_rng(width)
+    bits = rng.integers(0, 1 << 16, size=leading + (width,)).astype(np.uint16)
+    bits.reshape(-1)[:6] = [0x7FC1, 0xFF80, 0x8000, 0x0001, 0xFFFF, 0x7F80]
+    table = bits.view(BF16)
+    padded = np.zeros(leading + (stored.stored_width(width, BF16) * 2,),
+                      np.uint32)
+    padded[..., :width] = bits
+    want = padded[..., 0::2] | padded[..., 1::2] << 16
+    with mock.patch.object(stored, "BF16_CONVERT", convert):
+      kept = stored.to_stored(jnp.asarray(table))
+      back = stored.from_stored(kept, width, BF16)
+    self.assertEqual(kept.dtype, jnp.uint32)
+    np.testing.assert_array_equal(np.asarray(kept), want[..., :kept.shape[-1]])
+    np.testing.assert_array_equal(np.asarray(back).view(np.uint16), bits)
+
   @parameterized.product(width=(8, 64, 200, 256), dtype=(F32, BF16))
   def test_stored_layout_round_trips(self, width, dtype):
     """Whole 128-lane rows of words; bf16 column 2j in a word's low half;
