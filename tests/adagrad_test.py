@@ -43,6 +43,20 @@ def np_round(x, dtype):
   return x if np.dtype(dtype) == F32 else x.astype(BF16).astype(F32)
 
 
+def np_decay_exp(x):
+  """numpy model of `common.decay_exp`, op for op in float32: exp(x) =
+  2**k exp(r), x = k ln2 + r, exp(r) by its degree-7 Taylor polynomial."""
+  x = F32(x)
+  if x < F32(-87):
+    return F32(0)
+  k = np.floor(x * F32(1.4426950408889634) + F32(0.5))
+  r = (x - k * F32(0.693145751953125)) - k * F32(1.428606765330187e-06)
+  p = F32(1 / 5040)
+  for c in (1 / 720, 1 / 120, 1 / 24, 1 / 6, 1 / 2, 1, 1):
+    p = F32(p * r) + F32(c)
+  return F32(p * np.ldexp(F32(1), int(k)))
+
+
 def np_adagrad(table, row_state, last_step, tokens, grad_accum, row_sq,
                apply, step, lr, hp):
   """Row-wise Adagrad, one slot at a time, in float32 scalars."""
@@ -57,8 +71,8 @@ def np_adagrad(table, row_state, last_step, tokens, grad_accum, row_sq,
       continue
     if hp.lazy:
       delta = F32(max(0, step - last_step[t]))
-      factor = np.exp(F32(-hp.accum_decay_rate) * delta)
-      wd = np.exp(F32(-hp.weight_decay_rate) * delta)
+      factor = np_decay_exp(F32(-hp.accum_decay_rate) * delta)
+      wd = np_decay_exp(F32(-hp.weight_decay_rate) * delta)
       last_step[t] = step
     else:
       factor, wd = F32(hp.decay_factor), F32(hp.weight_decay_factor)
@@ -142,6 +156,33 @@ def run_adagrad(backend, args, hp, apply=True, step=9, lr=0.1, config=None,
 def bits(x):
   x = np.asarray(x)
   return x.view(np.uint16 if x.dtype.itemsize == 2 else np.uint32)
+
+
+class DecayExpTest(absltest.TestCase):
+  """`common.decay_exp`, the lazy decays' exp: + and x only."""
+
+  def _arguments(self):
+    grid = -np.geomspace(1e-30, 90, 20000).astype(F32)
+    edges = [0.0, -0.0, -1e-38, -np.log(2) / 2, -np.log(2), -86.99, -87.0,
+             -87.0001, -100.0, -1e30, -np.inf]
+    return np.concatenate([grid, np.asarray(edges, F32)])
+
+  def test_within_two_ulps_of_exp(self):
+    x = self._arguments()
+    got = np.asarray(jax.jit(common.decay_exp)(jnp.asarray(x)))
+    normal = x >= -87
+    want = np.exp(x[normal].astype(np.float64)).astype(F32)
+    ulps = np.abs(got[normal].view(np.int32) - want.view(np.int32))
+    self.assertLessEqual(int(ulps.max()), 2)
+    np.testing.assert_array_equal(got[~normal], 0)
+    self.assertEqual(got[x == 0].tolist(), [1.0, 1.0])
+    self.assertTrue(np.all(np.diff(got[:20000]) <= 0))  # x decreases
+
+  def test_matches_numpy_model_bit_for_bit(self):
+    x = self._arguments()
+    got = np.asarray(jax.jit(common.decay_exp)(jnp.asarray(x)))
+    want = np.asarray([np_decay_exp(v) for v in x], F32)
+    np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
 
 
 class AdagradTest(parameterized.TestCase):

@@ -583,9 +583,12 @@ class TpuLoweringTest(parameterized.TestCase):
 
   @parameterized.product(dtype=(jnp.float32, jnp.bfloat16),
                          width=(64, 128),
-                         optimizer=("rowwise_adagrad", "ftrl"))
+                         optimizer=("rowwise_adagrad", "lazy_decay", "ftrl"))
   def test_step_lowers_with_mosaic_calls(self, dtype, width, optimizer):
     opt = {"rowwise_adagrad": pe.RowwiseAdagrad(0.1),
+           # `common.decay_exp` in the kernels' row-wise part.
+           "lazy_decay": pe.RowwiseAdagrad(0.1, lazy=True,
+                                           weight_decay=0.01),
            "ftrl": pe.Ftrl(0.1)}[optimizer]
     coll = _collection("mosaic_tpu", dtype, width, optimizer=opt)
     state = jax.eval_shape(coll.init, jax.random.key(0))

@@ -12,7 +12,8 @@ class AdagradHParams:
   eager: `factor = decay_factor`, `wd = weight_decay_factor` on rows with a
   gradient. lazy: `factor = exp(-accum_decay_rate * delta)`,
   `wd = exp(-weight_decay_rate * delta)` with `delta = max(0, step -
-  last_step[t])`. The learning rate is a traced argument (schedules).
+  last_step[t])`, each exp by `common.decay_exp` (the same bits on every
+  platform). The learning rate is a traced argument (schedules).
   """
   eps: float
   inv_width: float  # 1 / emb_width (the full width, not the shard's)
