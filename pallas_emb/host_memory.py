@@ -2,11 +2,15 @@
 and filling it.
 
 A host-tier table (docs/host_tier.md) keeps its rows and optimizer slots
-in numpy arrays of host memory. `check_host_memory` compares what they
-take (`StackPlan.host_bytes`) with what the host has available before
-anything is allocated; `init_table` and `init_slots` fill them, a table
-chunk by chunk on the host's CPU device (never a second copy of it);
-`in_chunks` runs the large row copies in and out of them on threads.
+in numpy arrays of host memory, or, with `TableSpec.host_dir`, in files
+there mapped into memory (`host_array`: the OS keeps the pages in use in
+RAM and writes the others back, so a table may outgrow the host's
+memory). `check_host_memory` compares what they take
+(`StackPlan.host_bytes`) with what the host has available, in memory or
+on the directory's disk, before anything is allocated; `init_table` and
+`init_slots` fill them, a table chunk by chunk on the host's CPU device
+(never a second copy of it); `in_chunks` runs the large row copies in and
+out of them on threads.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from __future__ import annotations
 import concurrent.futures
 import functools
 import os
+import shutil
 
 import jax
 import numpy as np
@@ -51,12 +56,76 @@ def available_host_bytes() -> int | None:
   return None
 
 
+def host_path(spec, part: str) -> str:
+  """The file of a `host_dir` table's `part` ("rows" or a slot's name)."""
+  return os.path.join(os.fspath(spec.host_dir), f"{spec.name}.{part}")
+
+
+def host_array(spec, part: str, shape, dtype) -> np.ndarray:
+  """Host memory for one of a host-tier table's arrays (`part`: "rows" or
+  an optimizer slot's name), for the caller to fill: a numpy array, or
+  with `spec.host_dir` that directory's file of it, memory-mapped. A file
+  of the right size is reused as it is (never truncated under a mapping
+  of it an older state may hold: one live state per table and host_dir)."""
+  if spec.host_dir is None:
+    return np.empty(shape, dtype)
+  path, shape = host_path(spec, part), tuple(shape)
+  size = int(np.prod(shape)) * np.dtype(dtype).itemsize
+  mode = "r+" if os.path.isfile(path) and os.path.getsize(path) == size else (
+      "w+")
+  return np.memmap(path, dtype=dtype, mode=mode, shape=shape)
+
+
+def _maps_whole_file(x, path: str, dtype) -> bool:
+  """Whether `x` is a memory map of all of the file at `path` (e.g. the
+  read-only `table_arrays` of a state of the same table)."""
+  filename = getattr(x, "filename", None)
+  return (isinstance(x, np.memmap) and filename is not None
+          and os.path.isfile(path) and os.path.samefile(filename, path)
+          and x.dtype == dtype and x.offset == 0 and x.flags.c_contiguous
+          and x.nbytes == os.path.getsize(path))
+
+
+def _check_host_dirs(coll, stacks, what: str) -> None:
+  """Each `host_dir` exists and its disk holds its tables' files."""
+  need = {}
+  for s in stacks:
+    spec = coll.tables[s.tables[0]]
+    directory = os.fspath(spec.host_dir)
+    if not os.path.isdir(directory):
+      raise InputError(
+          f"pallas_emb {what}: host-tier table {spec.name!r} has "
+          f"host_dir={directory!r}, which is not a directory; create it, "
+          "or give host_dir=None to keep the table in host memory.")
+    # The files this replaces free their bytes.
+    parts = ["rows"] + ([sl.name for sl in spec.optimizer.slots()]
+                        if spec.optimizer else [])
+    old = sum(os.path.getsize(p) for p in (host_path(spec, x) for x in parts)
+              if os.path.isfile(p))
+    device = os.stat(directory).st_dev
+    free, bytes_, names = need.get(device, (shutil.disk_usage(directory).free,
+                                            0, []))
+    need[device] = (free + old, bytes_ + s.host_bytes(), names + [spec.name])
+  for free, bytes_, names in need.values():
+    if bytes_ > free:
+      raise InputError(
+          f"pallas_emb {what}: the host-tier tables {names} need "
+          f"{bytes_ / 1e9:.2f} GB of files in their host_dir and its disk "
+          f"has {free / 1e9:.2f} GB free; free some, or give a host_dir on "
+          "a larger disk.")
+
+
 def check_host_memory(coll, what: str) -> None:
   """Raises InputError, before any of it is allocated, when the host-tier
   tables' rows and optimizer state (`StackPlan.host_bytes`) exceed the
-  host's available memory: a clear error instead of the kernel's
-  out-of-memory kill part way through filling them."""
+  host's available memory (or, for tables with a `host_dir`, the free
+  space of its disk): a clear error instead of the kernel's out-of-memory
+  kill part way through filling them."""
   stacks = [s for s in coll.plan.stacks if s.host]
+  in_files = [s for s in stacks if coll.tables[s.tables[0]].host_dir
+              is not None]
+  _check_host_dirs(coll, in_files, what)
+  stacks = [s for s in stacks if s not in in_files]
   need = sum(s.host_bytes() for s in stacks)
   have = available_host_bytes()
   if have is not None and need > have:
@@ -75,7 +144,7 @@ def init_table(spec, key) -> np.ndarray:
   (c, width))` (chunk 0 from `key` itself, so a table of one chunk gets
   the device table's values)."""
   rows, width = spec.vocab_rows, spec.emb_width
-  out = np.empty((rows, width), spec.dtype)
+  out = host_array(spec, "rows", (rows, width), spec.dtype)
   step = chunk_rows(width, spec.dtype.itemsize)
   # Jitted, as the device table's init (eager ops round differently).
   init = jax.jit(lambda k, n: spec.initializer(k, (n, width), spec.dtype)
@@ -94,9 +163,34 @@ def init_slots(spec) -> dict[str, np.ndarray]:
   opt = spec.optimizer
   if opt is None:
     return {}
-  return {s.name: np.full((spec.vocab_rows,) + (
-      (spec.emb_width,) if s.kind == "element" else ()), s.init, s.dtype)
-          for s in opt.slots()}
+  slots = {}
+  for s in opt.slots():
+    slots[s.name] = host_array(spec, s.name, (spec.vocab_rows,) + (
+        (spec.emb_width,) if s.kind == "element" else ()), s.dtype)
+    slots[s.name][...] = s.init
+  return slots
+
+
+def as_host_array(spec, part: str, x, dtype, copy: bool = True
+                  ) -> np.ndarray:
+  """`x` (numpy or jax) as host memory of `spec`'s `part`: with
+  `copy=False` a writable numpy array of `dtype` is taken as it is (no
+  second copy of a huge table), unless the table has a `host_dir`, whose
+  file must hold it (then copied there a chunk at a time); else a copy."""
+  if spec.host_dir is not None and _maps_whole_file(x, host_path(spec, part),
+                                                   dtype):
+    return host_array(spec, part, x.shape, dtype)  # writable, no copy
+  if (not copy and spec.host_dir is None and isinstance(x, np.ndarray)
+      and x.dtype == dtype and x.flags.writeable):
+    return x
+  if spec.host_dir is None:
+    return np.array(jax.device_get(x), dtype)
+  out = host_array(spec, part, x.shape, dtype)
+  step = chunk_rows(int(np.prod(x.shape[1:])), np.dtype(dtype).itemsize)
+  for start in range(0, x.shape[0], step):
+    out[start:start + step] = np.asarray(jax.device_get(
+        x[start:start + step]), dtype)
+  return out
 
 
 def in_chunks(fn, n: int) -> None:

@@ -566,14 +566,12 @@ def host_stack(coll, stack, table, opt_state=None, *, copy=True):
   `copy=False` numpy arrays of the right dtype become the host memory
   as they are (no second copy of a huge table)."""
   spec = coll.tables[stack.tables[0]]
-  as_host = lambda x, dtype: (x if not copy and isinstance(x, np.ndarray)
-                              and x.dtype == dtype and x.flags.writeable
-                              else np.array(jax.device_get(x), dtype))
-  table = as_host(table, spec.dtype)
+  table = host_memory.as_host_array(spec, "rows", table, spec.dtype, copy)
   if opt_state is None or spec.optimizer is None:
     slots, step = host_memory.init_slots(spec), None
   else:
-    slots = {s.name: as_host(getattr(opt_state, s.name), s.dtype)
+    slots = {s.name: host_memory.as_host_array(
+        spec, s.name, getattr(opt_state, s.name), s.dtype, copy)
              for s in spec.optimizer.slots()}
     step = opt_state.step
   return HostStack(coll, stack, table, slots), empty_cache(coll, stack, step)

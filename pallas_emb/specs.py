@@ -13,6 +13,7 @@ traced); `pallas_emb.stacking` groups the tables into stacks.
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any, Callable, NamedTuple
 
 import jax
@@ -83,6 +84,10 @@ class TableSpec:
       than vocab_rows). Row placement spreads them over the ranks.
     cache_policy: "host" storage: which rows the cache evicts, "lru" (the
       least recently used) or "lfu" (the least frequently used).
+    host_dir: "host" storage: an existing directory whose files
+      (`<name>.rows`, `<name>.<slot>`) hold the rows and optimizer state,
+      memory-mapped, for a table larger than the host's memory (the OS
+      keeps the pages in use in RAM); None: plain host memory.
   """
   name: str
   vocab_rows: int
@@ -99,6 +104,7 @@ class TableSpec:
   storage: str = "device"
   cache_rows: int | None = None
   cache_policy: str = "lru"
+  host_dir: str | os.PathLike | None = None
 
   def __post_init__(self):
     if not _name_ok(self.name):
@@ -170,13 +176,19 @@ class TableSpec:
                        f"{self.cache_policy!r}; expected one of "
                        f"{CACHE_POLICIES}.")
     if self.storage == "device":
-      if self.cache_rows is not None or self.cache_policy != "lru":
+      if (self.cache_rows is not None or self.cache_policy != "lru"
+          or self.host_dir is not None):
         raise InputError(
-            f"pallas_emb {what} has a cache_rows or cache_policy but "
-            "storage='device', whose rows all live on the devices; give "
+            f"pallas_emb {what} has a cache_rows, cache_policy or host_dir "
+            "but storage='device', whose rows all live on the devices; give "
             "storage='host' to keep the table in host memory with a device "
             "cache, or drop them.")
       return
+    if self.host_dir is not None and not isinstance(self.host_dir,
+                                                    (str, os.PathLike)):
+      raise InputError(
+          f"pallas_emb {what} host_dir={self.host_dir!r}; expected the path "
+          "of a directory (str or os.PathLike), or None for host memory.")
     if self.cache_rows is None:
       raise InputError(
           f"pallas_emb {what} storage='host' needs cache_rows=C, the rows "

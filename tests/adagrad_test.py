@@ -275,7 +275,6 @@ class AdagradTest(parameterized.TestCase):
       self.assertFalse(np.allclose(table[3], args[0][3]))
 
   def test_argument_errors(self):
-    args = [jnp.asarray(a) for a in adagrad_inputs(0, 4, F32, True)]
     with self.assertRaisesRegex(ValueError, "block_rows must be a positive"):
       sparse_update.SparseUpdateConfig(block_rows=6)
 

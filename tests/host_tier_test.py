@@ -14,8 +14,11 @@ checks the host tier against the model directly. The cache directory
 """
 
 import gc
+import os
+import shutil
 import tempfile
 import time
+import types
 import weakref
 from unittest import mock
 
@@ -43,7 +46,7 @@ B, SEQ, BAG = 4, 3, 4
 
 def collections(placement="column", policy="lru", optimizer=None,
                 dtype=jnp.float32, cache_rows=24, vocab=60, width=8,
-                ranks=2, padding_id=0, backend="xla"):
+                ranks=2, padding_id=0, backend="xla", host_dir=None):
   """`(host-tier collection, the same on the devices)`: one table read by
   a sequence feature, a mean-pooled one and a weighted sum-pooled one."""
   optimizer = optimizer or pe.RowwiseAdagrad(0.1)
@@ -54,7 +57,8 @@ def collections(placement="column", policy="lru", optimizer=None,
               pe.FeatureSpec("wbag", "t", combiner="sum", weighted=True)]
   mesh = test_util.mesh({"x": ranks})
   host = pe.TableSpec("t", vocab, width, storage="host",
-                      cache_rows=cache_rows, cache_policy=policy, **spec)
+                      cache_rows=cache_rows, cache_policy=policy,
+                      host_dir=host_dir, **spec)
   device = pe.TableSpec("t", vocab, width, **spec)
   return tuple(pe.EmbeddingCollection([t], features, mesh, "x",
                                       backend=backend) for t in (host, device))
@@ -259,8 +263,12 @@ class SpecTest(absltest.TestCase):
          r"cache_rows=10 is not fewer than its vocab_rows=10"),
         (dict(storage="host", cache_rows=4, placement="table"),
          r"storage='host' with placement='table'"),
-        (dict(cache_rows=4), r"has a cache_rows or cache_policy but "
-         r"storage='device'"),
+        (dict(cache_rows=4), r"has a cache_rows, cache_policy or host_dir "
+         r"but storage='device'"),
+        (dict(host_dir="tables"), r"has a cache_rows, cache_policy or "
+         r"host_dir but storage='device'"),
+        (dict(storage="host", cache_rows=4, host_dir=3),
+         r"host_dir=3; expected the path of a directory"),
         (dict(storage="host", cache_rows=4, cache_policy="fifo"),
          r"cache_policy='fifo'; expected one of \('lru', 'lfu'\)"),
     ):
@@ -381,6 +389,74 @@ class HostTierTest(parameterized.TestCase):
                                  dstats["stack0"].norm, rtol=1e-6)
       self.check_equal(host, device, hstate, dstate, f"step {step}")
     self.assertGreater(written, 0)
+
+  @parameterized.named_parameters(
+      ("column_adam_bf16", "column", pe.Adam(0.05), jnp.bfloat16),
+      ("row_lazy_adagrad", "row",
+       pe.RowwiseAdagrad(0.1, half_life_steps=3.0, lazy=True), jnp.float32))
+  def test_host_dir_trains_as_host_memory(self, placement, optimizer, dtype):
+    """A table whose rows and slots live in memory-mapped files trains as
+    one in host memory, bit for bit, from `init` and from arrays; its
+    `table_arrays` given back take over the same files with no copy."""
+    directory = self.enter_context(tempfile.TemporaryDirectory())
+    plain, _ = collections(placement, optimizer=optimizer, dtype=dtype,
+                           cache_rows=32)
+    mapped, _ = collections(placement, optimizer=optimizer, dtype=dtype,
+                            cache_rows=32, host_dir=directory)
+    for start in ("init", "arrays"):
+      if start == "init":
+        pstate = plain.init(jax.random.key(3))
+        mstate = mapped.init(jax.random.key(3))
+      else:
+        arrays = (plain.table_arrays(pstate), plain.optimizer_arrays(pstate))
+        pstate = plain.state_from_arrays(*arrays)
+        mstate = mapped.state_from_arrays(*arrays)
+      seed = 0 if start == "init" else 1
+      for step, (batch, _) in enumerate(batches(plain, 3, seed=seed)):
+        pstate, _ = plain.prefetch(pstate, batch)
+        mstate, stats = mapped.prefetch(mstate, batch)
+        if step:
+          self.assertGreater(stats["t"].evicted, 0)
+        grads = grads_for(plain.lookup(pstate, batch), step)
+        pstate, _ = plain.apply_gradients(pstate, batch, grads)
+        mstate, _ = mapped.apply_gradients(mstate, batch, grads)
+      self.check_equal(mapped, plain, mstate, pstate, start)
+    host = mstate.host.stacks["stack0"]
+    spec = mapped.tables["t"]
+    for part, array in [("rows", host.table)] + list(host.slots.items()):
+      self.assertIsInstance(array, np.memmap)
+      self.assertEqual(os.path.getsize(os.path.join(directory, f"t.{part}")),
+                       array.nbytes)
+    # The state's own arrays back: the same files, no copy made.
+    tables = mapped.table_arrays(mstate)
+    with mock.patch.object(host_memory, "chunk_rows",
+                           side_effect=AssertionError("copied")):
+      again = mapped.state_from_arrays(tables, mapped.optimizer_arrays(mstate))
+    self.assertTrue(os.path.samefile(
+        again.host.stacks["stack0"].table.filename,
+        host_memory.host_path(spec, "rows")))
+    self.check_equal(mapped, plain, again, pstate, "again")
+
+  def test_host_dir_errors_before_allocating(self):
+    directory = self.enter_context(tempfile.TemporaryDirectory())
+    missing, _ = collections(host_dir=os.path.join(directory, "absent"))
+    with self.assertRaisesRegex(pe.InputError, "which is not a directory; "
+                                "create it"):
+      missing.init(jax.random.key(0))
+    mapped, _ = collections(host_dir=directory)
+    need = mapped.plan.stacks[0].host_bytes()
+    never = mock.patch.object(host_memory, "init_table",
+                              side_effect=AssertionError("allocated"))
+    full = mock.patch.object(shutil, "disk_usage", return_value=(
+        types.SimpleNamespace(total=10 * need, used=9 * need, free=need - 1)))
+    with never, full, self.assertRaisesRegex(
+        pe.InputError, r"the host-tier tables \['t'\] need 0.00 GB of files "
+        r"in their host_dir and its disk has 0.00 GB free"):
+      mapped.init(jax.random.key(0))
+    # Host memory is not what a host_dir table takes.
+    with mock.patch.object(host_memory, "available_host_bytes",
+                           return_value=0):
+      mapped.init(jax.random.key(0))
 
   def test_a_row_on_its_way_back_is_waited_for(self):
     """Write-backs land on a thread of their own, here late: a prefetch
