@@ -90,6 +90,10 @@ _PROFILE = flags.DEFINE_integer(
     "After the timed steps, this many more pipelined steps of the host "
     "tier under jax.profiler.trace: the device time per step of each "
     "program (the cache's row swap, the step) and of the largest ops.")
+_HOST_DIR = flags.DEFINE_string(
+    "host_dir", None, "Keep the host table in memory-mapped files of this "
+    "existing directory (`TableSpec.host_dir`), for a table larger than the "
+    "host's memory.")
 _JSON_OUT = flags.DEFINE_string("json_out", None, "Write the results here.")
 
 
@@ -151,8 +155,8 @@ def _run(pe, jax, jnp, np, optax, rows, bag, batches, host, steps, warmup):
   """Times `steps` pipelined steps (after `warmup`) of a one-table
   collection: the host tier (`host`: cache rows) or a device table."""
   mesh = jax.make_mesh((1,), ("x",))
-  extra = dict(storage="host", cache_rows=host,
-               cache_policy=_POLICY.value) if host else {}
+  extra = dict(storage="host", cache_rows=host, cache_policy=_POLICY.value,
+               host_dir=_HOST_DIR.value) if host else {}
   table = pe.TableSpec("t", rows, _WIDTH.value,
                        optimizer=pe.RowwiseAdagrad(0.01),
                        initializer=jax.nn.initializers.constant(0.01),
