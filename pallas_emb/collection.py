@@ -277,8 +277,8 @@ class EmbeddingCollection:
     state_lib.check_names(tables, self.tables, "tables")
     if opt_states is not None:
       state_lib.check_names(opt_states, self.tables, "opt_states")
-    if self.host_tables and copy:  # host-tier tables copied into host memory
-      host_memory.check_host_memory(self, "state_from_arrays")
+    if self.host_tables:  # host-tier tables copied into host memory
+      host_memory.check_host_memory(self, "state_from_arrays", memory=copy)
     stacks = {}
     for stack in self.plan.stacks:
       arrays = []

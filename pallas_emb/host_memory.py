@@ -115,17 +115,18 @@ def _check_host_dirs(coll, stacks, what: str) -> None:
           "a larger disk.")
 
 
-def check_host_memory(coll, what: str) -> None:
+def check_host_memory(coll, what: str, memory: bool = True) -> None:
   """Raises InputError, before any of it is allocated, when the host-tier
   tables' rows and optimizer state (`StackPlan.host_bytes`) exceed the
-  host's available memory (or, for tables with a `host_dir`, the free
-  space of its disk): a clear error instead of the kernel's out-of-memory
-  kill part way through filling them."""
+  host's available memory (`memory=False`: none is allocated there) or,
+  for tables with a `host_dir`, the free space of its disk: a clear error
+  instead of the kernel's out-of-memory kill part way through filling
+  them."""
   stacks = [s for s in coll.plan.stacks if s.host]
   in_files = [s for s in stacks if coll.tables[s.tables[0]].host_dir
               is not None]
   _check_host_dirs(coll, in_files, what)
-  stacks = [s for s in stacks if s not in in_files]
+  stacks = [s for s in stacks if s not in in_files and memory]
   need = sum(s.host_bytes() for s in stacks)
   have = available_host_bytes()
   if have is not None and need > have:

@@ -453,6 +453,12 @@ class HostTierTest(parameterized.TestCase):
         pe.InputError, r"the host-tier tables \['t'\] need 0.00 GB of files "
         r"in their host_dir and its disk has 0.00 GB free"):
       mapped.init(jax.random.key(0))
+    # The arrays given are written to the files even without a copy.
+    tables = {"t": np.zeros((60, 8), np.float32)}
+    for copy in (True, False):
+      with full, self.assertRaisesRegex(pe.InputError, "state_from_arrays: "
+                                        r"the host-tier tables \['t'\]"):
+        mapped.state_from_arrays(tables, copy=copy)
     # Host memory is not what a host_dir table takes.
     with mock.patch.object(host_memory, "available_host_bytes",
                            return_value=0):
