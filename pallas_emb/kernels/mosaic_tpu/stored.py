@@ -43,8 +43,9 @@ WORD = jnp.uint32  # a bf16 table's stored dtype: two columns per word
 # column's 16 bits as an integer-valued f32 through 0/1 matrices (exact at
 # HIGHEST precision: every output is one product by 1). On a v5e, XLA took
 # 106 s to compile "pairs" for a `[10M, 64]` table (and 0.093 s to run
-# it), 85 s for its inverse; "matmul" has no pair axis to lay out, and is
-# the one to time against it (`python -m bench.tpu_convert`).
+# it), 85 s for its inverse, when the pair view was of bf16 (now of its
+# 16-bit integers; not timed since); "matmul" has no pair axis to lay
+# out, and is the one to time against it (`python -m bench.tpu_convert`).
 BF16_CONVERT = "pairs"
 
 
