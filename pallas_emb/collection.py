@@ -35,6 +35,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from pallas_emb import cpu_malloc
 from pallas_emb import exchange
 from pallas_emb import fitting
+from pallas_emb import host_batches
 from pallas_emb import host_memory
 from pallas_emb import host_tier
 from pallas_emb import inputs as inputs_lib
@@ -523,7 +524,7 @@ class EmbeddingCollection:
     if not self.host_tables:
       return state, {}
     self._check_state(state)
-    return state.host.prefetch(state, host_tier.batch_rows(self, batch),
+    return state.host.prefetch(state, host_batches.batch_rows(self, batch),
                                in_flight, train)
 
   def _serve(self, state: ServingState, batch) -> dict[str, jax.Array]:

@@ -13,7 +13,7 @@ Between steps, `HostTier.prefetch` makes a batch's rows resident
 (docs/host_tier.md):
 
   rows      the batch's distinct rows, by the step's own key rule
-            (`stack.entry_keys`; its numpy twin `host_keys`), split per
+            (`stack.entry_keys`; its numpy twin `host_batches.host_keys`), split per
             rank for a row-placed table
   directory `row_cache.RowCache` per rank part: hits, misses, evictions by
             the table's policy; rows of the batches still in flight are
@@ -56,16 +56,14 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from pallas_emb import host_batches
 from pallas_emb import host_memory
-from pallas_emb import inputs as inputs_lib
 from pallas_emb import placement as placement_lib
 from pallas_emb import quantize as quantize_lib
-from pallas_emb import validation
 from pallas_emb import write_back
 from pallas_emb.errors import InputError
 from pallas_emb.kernels.mosaic_tpu import stored as stored_lib
 from pallas_emb.row_cache import RowCache
-from pallas_emb.specs import Bag
 from pallas_emb.state import CollectionState
 from pallas_emb.state import StackState
 
@@ -450,7 +448,7 @@ class HostTier:
   def prefetch(self, state, rows, in_flight: int | None = None,
                train: bool = True):
     """`(state, {table: CacheStats})` with each host-tier table's batch
-    rows (`batch_rows`) resident."""
+    rows (`host_batches.batch_rows`) resident."""
     in_flight = self.in_flight if in_flight is None else in_flight
     if not isinstance(in_flight, int) or not 0 <= in_flight <= 2:
       raise InputError(f"pallas_emb prefetch in_flight={in_flight!r}; "
@@ -470,69 +468,9 @@ def _replace_stacks(state, stacks):
   return CollectionState(stacks, state.fingerprint, state.host)
 
 
-# --- reading a batch on the host ---------------------------------------------
-
-
-def host_keys(ids: np.ndarray, vocab_rows: int, padding_id) -> np.ndarray:
-  """`stack.entry_keys` of one table's ids (weights not read), in numpy.
-
-  The host reads a batch while the devices run the step before; on a CPU
-  platform a jitted `entry_keys` would queue behind that step on the same
-  device, so the prefetch runs the same rule in numpy
-  (`tests/host_tier_test.py` holds the two equal on every edge case).
-  """
-  x = ids.reshape(-1).astype(np.int64)
-  wrapped = np.where(x < 0, x + vocab_rows, x)
-  row = np.clip(wrapped, 0, vocab_rows - 1)
-  trains = (wrapped >= 0) & (wrapped < vocab_rows)
-  if padding_id is not None:  # the padding row, whatever id reaches it
-    trains &= row != padding_id % vocab_rows
-  return np.where(trains, row, ~row)
-
-
-def _host_ids(ids, what: str) -> np.ndarray:
-  """A feature's ids as host int32 (`validation.as_ids`' checks)."""
-  if isinstance(ids, np.ndarray) and ids.dtype == np.int32:
-    return ids
-  with jax.default_device(host_memory.cpu_device()):
-    return np.asarray(validation.as_ids(ids, what))
-
-
-def batch_rows(coll, batch) -> dict[str, tuple[np.ndarray, ...]]:
-  """Host-side: per host-tier stack, `(rows, counts, trains)`: the distinct
-  logical rows its features' ids read (`stack.entry_keys`' rule: wrap once,
-  clamp), the ids reading each, and whether some id trains it (inside its
-  table, not padding; weights are not read, so a row of weight-0 entries
-  counts as trained: at worst it is copied back unchanged)."""
-  inputs_lib.check_per_feature(coll.features, batch, "batch", "ids",
-                               "Give every feature's ids.")
-  out = {}
-  for stack in coll.plan.stacks:
-    if not stack.host:
-      continue
-    spec = coll.tables[stack.tables[0]]
-    keys = []
-    for name in stack.features:
-      value = batch[name]
-      ids = _host_ids(value.ids if isinstance(value, Bag) else value,
-                      f"batch[{name!r}]")
-      keys.append(host_keys(ids, spec.vocab_rows, spec.padding_id))
-    keys = np.concatenate(keys)
-    # One sort of (row, does not train): a row's first entry says whether
-    # any of its ids trains (a numpy `searchsorted` of every id into the
-    # distinct rows costs 20x more).
-    order = np.sort(np.where(keys < 0, ~keys, keys) * 2 + (keys < 0))
-    starts = np.flatnonzero(np.concatenate(
-        [[True], (order[1:] >> 1) != (order[:-1] >> 1)]))
-    first = order[starts]
-    out[stack.name] = (first >> 1, np.diff(np.append(starts, order.size)),
-                       (first & 1) == 0)
-  return out
-
-
 def check_cached(coll, state, batch, what: str) -> None:
   """An eager call's batch reads only cached rows (else InputError)."""
-  for name, (rows, _, _) in batch_rows(coll, batch).items():
+  for name, (rows, _, _) in host_batches.batch_rows(coll, batch).items():
     state.host.stacks[name].check_cached(rows, what)
 
 

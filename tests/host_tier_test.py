@@ -34,6 +34,7 @@ import optax
 import placements_test
 import pallas_emb as pe
 from pallas_emb import checkpoint
+from pallas_emb import host_batches
 from pallas_emb import host_memory
 from pallas_emb import host_tier
 from pallas_emb import layout as layout_lib
@@ -247,7 +248,7 @@ class HostKeysTest(absltest.TestCase):
       feature = layout_lib.FeatureLayout("f", 0, vocab, padding, ids.shape,
                                          None, 200)
       np.testing.assert_array_equal(
-          host_tier.host_keys(ids, vocab, padding),
+          host_batches.host_keys(ids, vocab, padding),
           np.asarray(stack_lib.entry_keys(feature, jnp.asarray(ids), None)))
 
 
