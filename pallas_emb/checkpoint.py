@@ -41,7 +41,8 @@ sentinel between steps) is not saved; `restore` makes a fresh one wherever
 the target has one. A state with host-tier tables holds only their device
 caches: `save` and `restore` refuse it, `save_collection` saves their
 logical tables from host memory (`restore_collection` reads them back into
-host memory, without a second copy).
+host memory, or into a `host_dir` table's files; `orbax_io` makes no
+second copy of them either way).
 
 Multi-process (`jax.distributed`): every process must call `save` and
 `restore` with the same arguments, on a directory all processes can see
@@ -59,6 +60,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_emb import host_memory
+from pallas_emb import orbax_io
 from pallas_emb import quantize
 from pallas_emb.dedup import empty_slot_map
 from pallas_emb.checksums import bit_width
@@ -195,7 +198,7 @@ def _reason(e: BaseException) -> str:
 
 def save(directory, state, *, step: int) -> None:
   """Saves pytree `state` as `<directory>/<step>`; returns once committed."""
-  ocp, _ = _orbax()
+  _orbax()  # a clear ImportError without orbax-checkpoint
   step = _check_step(step)
   root = _dir(directory)
   _not_a_file(root)
@@ -212,11 +215,11 @@ def save(directory, state, *, step: int) -> None:
   tree = {_STATE: jax.tree_util.tree_unflatten(treedef, leaves),
           _SUMS: jax.tree_util.tree_unflatten(treedef, sums)}
   _remove_stale_tmp(root)
-  # StandardCheckpointer saves asynchronously; closing it waits for the
-  # commit, so a returned `save` is a finished checkpoint.
+  # Saved asynchronously; closing the checkpointer waits for the commit, so
+  # a returned `save` is a finished checkpoint.
   try:
-    with ocp.StandardCheckpointer() as ckptr:
-      ckptr.save(path, tree)
+    with orbax_io.checkpointer() as ckptr:
+      ckptr.save(path, args=orbax_io.save_args(tree))
       ckptr.wait_until_finished()
   except Exception as e:  # pylint: disable=broad-exception-caught
     # Orbax and tensorstore raise plain Exceptions (disk full, permissions).
@@ -421,13 +424,13 @@ def restore(directory, target, *, step: int | None = None):
   metadata before any array is read, and every value read against the
   checksum saved with it.
   """
-  ocp, _ = _orbax()
+  _orbax()  # a clear ImportError without orbax-checkpoint
   root, step = _resolve_step(directory, step)
   path = root / str(step)
   _no_host_tier(target, "restore")
   full_target, target = target, _no_slot_maps(target)
 
-  with ocp.StandardCheckpointer() as ckptr:
+  with orbax_io.checkpointer() as ckptr:
     meta = _metadata(ckptr, path)
     checked = _checked(meta)
     saved = _flat(meta[_STATE] if checked else meta)
@@ -449,7 +452,7 @@ def restore(directory, target, *, step: int | None = None):
     item = ({_STATE: abstract, _SUMS: jax.tree.map(
         lambda _: np.zeros(2, np.uint32), abstract)} if checked else abstract)
     try:
-      tree = ckptr.restore(path, item)
+      tree = ckptr.restore(path, args=orbax_io.restore_args(item))
     except Exception as e:  # pylint: disable=broad-exception-caught
       # Tensorstore raises plain Exceptions/ValueErrors for truncated,
       # missing or undecodable chunks.
@@ -467,9 +470,9 @@ def restore(directory, target, *, step: int | None = None):
 
 def _saved_tree(directory, step: int | None):
   """`(step, saved metadata tree)` of a complete step (default: latest)."""
-  ocp, _ = _orbax()
+  _orbax()  # a clear ImportError without orbax-checkpoint
   root, step = _resolve_step(directory, step)
-  with ocp.StandardCheckpointer() as ckptr:
+  with orbax_io.checkpointer() as ckptr:
     meta = _metadata(ckptr, root / str(step))
   return step, meta[_STATE] if _checked(meta) else meta
 
@@ -530,7 +533,8 @@ def _table_target(coll, name: str):
   tables column-sharded, the others (whose logical shape need not split over
   the ranks) replicated; `state_from_arrays` then places them. A host-tier
   table's arrays are read into host memory (numpy targets: untouched
-  pages, no memory until read), its step counter onto the devices."""
+  pages, no memory until read) or, with a `host_dir`, into its files
+  (`orbax_io`: a chunk at a time), its step counter onto the devices."""
   spec = coll.tables[name]
   partition = (jax.sharding.PartitionSpec(None, coll.table_axis)
                if spec.placement == "column" else jax.sharding.PartitionSpec())
@@ -547,8 +551,11 @@ def _table_target(coll, name: str):
           s.shape, s.dtype, sharding=jax.sharding.NamedSharding(coll.mesh, p)),
       shapes, opt.state_specs(partition))
   if spec.host:
-    host = lambda x: np.empty(x.shape, x.dtype) if x.ndim else x
-    table, opt_state = host(table), jax.tree.map(host, opt_state)
+    table = host_memory.host_array(spec, "rows", table.shape, table.dtype)
+    if opt is not None:
+      opt_state = opt_state._replace(**{
+          s.name: host_memory.host_array(spec, s.name, x.shape, x.dtype)
+          for s in opt.slots() for x in [getattr(opt_state, s.name)]})
   return table, opt_state
 
 
@@ -584,6 +591,8 @@ def restore_collection(directory, coll, *, step: int | None = None,
     raise CheckpointError(
         f"pallas_emb checkpoint {directory}/{step} has no tables {missing}; "
         "pass init_key= to initialize them fresh.")
+  # Room for the host-tier tables, checked before any is read.
+  host_memory.check_host_memory(coll, "restore_collection")
   targets = {name: _table_target(coll, name) for name in sorted(saved_tables)}
   tree = restore(directory, {
       "tables": {n: t for n, (t, _) in targets.items()},

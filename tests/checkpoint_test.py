@@ -3,6 +3,7 @@ checksums, errors."""
 
 import os
 import tempfile
+from unittest import mock
 
 import test_util
 
@@ -12,10 +13,13 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 import numpy as np
+import tensorstore
 
 import pallas_emb as pe
 from pallas_emb import checkpoint as ckpt
 from pallas_emb import checksums as checksums_lib
+from pallas_emb import host_memory
+from pallas_emb import orbax_io
 from pallas_emb.dedup import MAP_SENTINEL
 
 VOCAB, WIDTH = 64, 16
@@ -307,6 +311,48 @@ class ChecksumTest(parameterized.TestCase):
             self.assertNotEqual(
                 checksums_lib.checksums([y.view(x.dtype).reshape(x.shape)])[0].tolist(),
                 base)
+
+
+class OrbaxIoTest(_DirTest):
+  """`orbax_io`: host arrays saved as they are, read into memory-mapped
+  files in whole stored chunks of rows."""
+
+  @parameterized.parameters((jnp.float32, 30), (jnp.bfloat16, 7),
+                            (jnp.int32, 1000))
+  def test_read_into_a_file_in_stored_chunks(self, dtype, part_rows):
+    ocp, _ = ckpt._orbax()  # pylint: disable=protected-access
+    rng = np.random.default_rng(0)
+    tree = {"x": rng.standard_normal((60, 8)).astype(dtype),
+            "y": np.arange(5, dtype=np.int32), "z": 3}
+    path = ckpt._dir(self.dir) / "1"  # pylint: disable=protected-access
+    # Chunks of 12 rows (orbax cuts the rows by their divisors).
+    with orbax_io.checkpointer() as ckptr:
+      ckptr.save(path, args=ocp.args.PyTreeSave(tree, save_args={
+          "x": ocp.SaveArgs(chunk_byte_size=12 * 8 * tree["x"].itemsize),
+          "y": ocp.SaveArgs(), "z": ocp.SaveArgs()}))
+      ckptr.wait_until_finished()
+    out = np.memmap(os.path.join(self.dir, "x.rows"), dtype=tree["x"].dtype, mode="w+",
+                    shape=(60, 8))
+    parts = []
+    real_array = tensorstore.array
+
+    def ts_array(x, **kw):  # the parts written into the file
+      parts.append(x.shape[0])
+      return real_array(x, **kw)
+    with mock.patch.object(host_memory, "chunk_rows",
+                           return_value=part_rows), \
+        mock.patch.object(tensorstore, "array", ts_array), \
+        orbax_io.checkpointer() as ckptr:
+      item = {"x": out, "y": np.zeros(5, np.int32), "z": 0}
+      back = ckptr.restore(path, args=orbax_io.restore_args(item))
+    self.assertIs(back["x"], out)
+    test_util.assert_bits_equal(self, np.asarray(out), tree["x"], "x")
+    np.testing.assert_array_equal(back["y"], tree["y"])
+    self.assertEqual(back["z"], 3)
+    # Whole stored chunks of 12 rows, as many as fit part_rows (at least 1).
+    per_part = max(12, part_rows // 12 * 12)
+    self.assertEqual(parts, [min(per_part, 60 - a)
+                             for a in range(0, 60, per_part)])
 
 
 class IntegrityTest(_DirTest):

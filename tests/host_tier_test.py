@@ -38,6 +38,7 @@ from pallas_emb import host_batches
 from pallas_emb import host_memory
 from pallas_emb import host_tier
 from pallas_emb import layout as layout_lib
+from pallas_emb import orbax_io
 from pallas_emb import row_cache
 from pallas_emb import stack as stack_lib
 from pallas_emb import write_back
@@ -705,6 +706,45 @@ class HostTierTest(parameterized.TestCase):
     dstate, _ = device.apply_gradients(dstate, batch, grads_for(embs, 2))
     self.check_equal(host, device, back, dstate, "after restore")
 
+  def test_checkpoints_restore_into_host_dir_files(self):
+    """A host_dir table's checkpoint is read straight into its files, a
+    chunk at a time, and they become the restored state's host memory."""
+    directory = self.enter_context(tempfile.TemporaryDirectory())
+    host, device = collections("column", cache_rows=28,
+                               optimizer=pe.Adam(0.05), dtype=jnp.bfloat16)
+    mapped, _ = collections("column", cache_rows=28, optimizer=pe.Adam(0.05),
+                            dtype=jnp.bfloat16, host_dir=directory)
+    hstate, dstate = same_start(host, device, seed=9)
+    for step, (batch, _) in enumerate(batches(host, 2, seed=10)):
+      hstate, _ = host.prefetch(hstate, batch)
+      grads = grads_for(host.lookup(hstate, batch), step)
+      hstate, _ = host.apply_gradients(hstate, batch, grads)
+      dstate, _ = device.apply_gradients(dstate, batch, grads)
+    reads = []
+    real_read = orbax_io._read_into  # pylint: disable=protected-access
+
+    async def read_into(ocp, ts, info, out):
+      reads.append(out.filename)
+      return await real_read(ocp, ts, info, out)
+
+    with tempfile.TemporaryDirectory() as d:
+      checkpoint.save_collection(d, host, hstate, step=1)
+      checkpoint.save_collection(d, device, dstate, step=2)
+      for step, want in ((1, hstate), (2, dstate)):
+        reads.clear()
+        # 7 rows a chunk: 60 rows in 9 chunks, the last one short.
+        with mock.patch.object(host_memory, "chunk_rows", return_value=7), \
+            mock.patch.object(orbax_io, "_read_into", read_into):
+          back, _ = checkpoint.restore_collection(d, mapped, step=step)
+        spec = mapped.tables["t"]
+        self.assertEqual(sorted(reads), sorted(
+            host_memory.host_path(spec, part) for part in ("rows", "m", "v")))
+        self.assertTrue(os.path.samefile(
+            back.host.stacks["stack0"].table.filename,
+            host_memory.host_path(spec, "rows")))
+        self.check_equal(mapped, device if step == 2 else host, back, want,
+                         f"step {step}")
+
   def test_serving_copy_equals_the_device_tables(self):
     host, device = collections("row", cache_rows=28)
     hstate, dstate = same_start(host, device, seed=7)
@@ -821,6 +861,21 @@ class BenchTest(absltest.TestCase):
     self.assertGreater(record["device"]["step_s"], 0)
     self.assertIn("numpy_device_put_s", record["gathers"])
 
+
+  def test_checkpoint_bench_runs_small(self):
+    """`python -m bench.host_checkpoint` at tiny sizes, in files and in
+    host memory."""
+    for host_dir in ("", None):
+      with tempfile.TemporaryDirectory() as tmp:
+        doc, stdout = test_util.run_program("bench.host_checkpoint", [
+            "--rows=20000", "--width=8"] + (
+                [] if host_dir is None else [f"--host_dir={host_dir}"]), tmp)
+      self.assertIn("restore:", stdout)
+      self.assertEqual(doc["host_dir"], host_dir is None)
+      self.assertEqual(doc["table_bytes"], 20000 * 8 * 4)
+      for what in ("save", "restore"):
+        self.assertGreater(doc[what]["seconds"], 0)
+        self.assertGreaterEqual(doc[what]["anonymous_growth_bytes"], 0)
 
   def test_row_cache_bench_runs_small(self):
     """`python -m bench.row_cache` at tiny sizes, beside itself as the

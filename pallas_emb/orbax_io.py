@@ -1,0 +1,140 @@
+"""The orbax checkpointer behind `checkpoint.py`: host arrays written and
+read without a second copy of them in host memory.
+
+Orbax's default handler for numpy leaves deep-copies each array before
+writing it and reads each array whole into a new one. For a host-tier
+table of tens of GB (docs/host_tier.md) either is a second copy of the
+table in host memory. This checkpointer writes numpy leaves as they are
+(`checkpoint.save` returns only once the step is committed, so nothing
+changes them meanwhile), and reads a leaf whose target is a memory-mapped
+file (a `TableSpec.host_dir` table's) straight into that file, a chunk at
+a time. The files on disk are orbax's own: any orbax reader sees plain
+numpy arrays.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import numpy as np
+
+from pallas_emb import host_memory
+
+
+def _orbax():
+  import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+  import tensorstore as ts  # pylint: disable=g-import-not-at-top
+  return ocp, ts
+
+
+def checkpointer():
+  """An orbax `AsyncCheckpointer` of pytrees (as `StandardCheckpointer`),
+  with the numpy handling above."""
+  ocp, _ = _orbax()
+  return ocp.AsyncCheckpointer(ocp.PyTreeCheckpointHandler(
+      type_handler_registry=_handlers()[1]))
+
+
+def save_args(tree):
+  ocp, _ = _orbax()
+  return ocp.args.PyTreeSave(tree)
+
+
+def restore_args(item):
+  """Orbax's restore arguments for target `item` (as the standard
+  checkpointer builds them); a memory-mapped leaf is read into its file."""
+  ocp, _ = _orbax()
+  into_file = _handlers()[0]
+  args = ocp.checkpoint_utils.construct_restore_args(item)
+  args = jax.tree.map(
+      lambda leaf, arg: into_file(restore_type=np.memmap, out=leaf)
+      if isinstance(leaf, np.memmap) else arg, item, args)
+  return ocp.args.PyTreeRestore(item, restore_args=args)
+
+
+@functools.cache
+def _handlers():
+  """`(IntoFile, registry)`: the restore arguments of a leaf read into a
+  file, and the global orbax registry with numpy arrays handled here."""
+  ocp, ts = _orbax()
+  handlers = ocp.type_handlers
+
+  @dataclasses.dataclass
+  class IntoFile(ocp.RestoreArgs):
+    """Read the leaf into `out` (its shape and dtype), chunk by chunk."""
+    out: np.ndarray | None = None
+
+  class NumpyInPlace(ocp.type_handlers.NumpyHandler):
+    """Orbax's numpy handler, without its copies (module doc)."""
+
+    def __init__(self):
+      try:
+        super().__init__(deepcopy_host_arrays=False)
+      except TypeError:  # orbax < 0.12.5 always copies
+        super().__init__()
+
+    async def deserialize(self, infos, args=None):
+      args = list(args or [ocp.RestoreArgs()] * len(infos))
+      out = [None] * len(infos)
+      files = [i for i, a in enumerate(args) if getattr(a, "out", None)
+               is not None]
+      others = [i for i in range(len(infos)) if i not in files]
+      if others:
+        read = await super().deserialize([infos[i] for i in others],
+                                         [args[i] for i in others])
+        for i, x in zip(others, read):
+          out[i] = x
+      for i in files:
+        out[i] = await _read_into(ocp, ts, infos[i], args[i].out)
+      return out
+
+  numpy = NumpyInPlace()
+
+  class Registry(ocp.type_handlers.TypeHandlerRegistry):
+    """numpy arrays to `NumpyInPlace`; everything else as orbax does."""
+
+    def add(self, ty, handler, func=None, override=False):
+      raise NotImplementedError("pallas_emb's orbax registry is fixed")
+
+    def get(self, ty):
+      if isinstance(ty, type) and issubclass(ty, np.ndarray):
+        return numpy
+      return handlers.get_type_handler(ty)
+
+    def has(self, ty):
+      return (isinstance(ty, type) and issubclass(ty, np.ndarray)) or (
+          handlers.has_type_handler(ty))
+
+  return IntoFile, Registry()
+
+
+async def _read_into(ocp, ts, info, out: np.ndarray) -> np.ndarray:
+  """Reads one saved array into `out`, a whole number of its stored chunks
+  of rows at a time (about `CHUNK_BYTES`, or one chunk), written by
+  tensorstore straight into `out`. Tensorstore decodes a stored chunk
+  whole, so a part that cut one would decode it again. (Orbax stores an
+  array of up to 2 GiB as one chunk, a larger one in chunks of rows
+  dividing its row count, e.g. 5M rows of a 10M-row f32 table of width
+  64.)"""
+  spec = ocp.type_handlers.get_json_tspec_read(
+      info, use_ocdbt=info.is_ocdbt_checkpoint)
+  store = await ts.open(ts.Spec(spec), open=True, context=info.ts_context)
+  if tuple(store.shape) != out.shape:
+    raise ValueError(f"{info.name}: saved shape {tuple(store.shape)}, "
+                     f"target {out.shape}")
+  if not out.ndim:
+    out[...] = await store.read()
+    return out
+  rows = out.shape[0]
+  stored = store.chunk_layout.read_chunk.shape
+  stored = rows if stored is None or stored[0] is None else stored[0]
+  wanted = host_memory.chunk_rows(int(np.prod(out.shape[1:])),
+                                  out.dtype.itemsize)
+  step = max(stored, wanted // stored * stored)
+  for start in range(0, rows, step):
+    stop = min(start + step, rows)
+    await ts.array(out[start:stop], copy=False, write=True).write(
+        store[start:stop].translate_to[0])
+  return out
