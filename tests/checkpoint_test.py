@@ -331,8 +331,8 @@ class OrbaxIoTest(_DirTest):
           "x": ocp.SaveArgs(chunk_byte_size=12 * 8 * tree["x"].itemsize),
           "y": ocp.SaveArgs(), "z": ocp.SaveArgs()}))
       ckptr.wait_until_finished()
-    out = np.memmap(os.path.join(self.dir, "x.rows"), dtype=tree["x"].dtype, mode="w+",
-                    shape=(60, 8))
+    out = np.memmap(os.path.join(self.dir, "x.rows"), dtype=tree["x"].dtype,
+                    mode="w+", shape=(60, 8))
     parts = []
     real_array = tensorstore.array
 
