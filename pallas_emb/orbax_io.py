@@ -6,10 +6,10 @@ writing it and reads each array whole into a new one. For a host-tier
 table of tens of GB (docs/host_tier.md) either is a second copy of the
 table in host memory. This checkpointer writes numpy leaves as they are
 (`checkpoint.save` returns only once the step is committed, so nothing
-changes them meanwhile), and reads a leaf whose target is a memory-mapped
-file (a `TableSpec.host_dir` table's) straight into that file, a chunk at
-a time. The files on disk are orbax's own: any orbax reader sees plain
-numpy arrays.
+changes them meanwhile) in chunks of rows of about `CHUNK_BYTES`, and
+reads a leaf whose target is a memory-mapped file (a `TableSpec.host_dir`
+table's) straight into that file, a chunk at a time. The files on disk
+are orbax's own format: any orbax reader sees plain numpy arrays.
 """
 
 from __future__ import annotations
@@ -75,6 +75,21 @@ def _handlers():
       except TypeError:  # orbax < 0.12.5 always copies
         super().__init__()
 
+    async def _open_and_write(self, value, tspec, ts_context):
+      # Orbax stores an array of over 2 GiB in chunks of rows that divide
+      # its row count: a prime count (common for hashed tables) gives
+      # chunks of one row, hours to write and read at 100M rows. Process 0
+      # writes a numpy array whole, so its chunks need not divide it: rows
+      # of about CHUNK_BYTES each, the last one short.
+      chunks = tspec.get("metadata", {}).get("chunks")
+      if chunks is not None and value.ndim:
+        rows = host_memory.chunk_rows(int(np.prod(value.shape[1:])),
+                                      value.dtype.itemsize)
+        if value.shape[0] > rows:
+          tspec = dict(tspec, metadata=dict(
+              tspec["metadata"], chunks=[rows, *value.shape[1:]]))
+      return await super()._open_and_write(value, tspec, ts_context)
+
     async def deserialize(self, infos, args=None):
       args = list(args or [ocp.RestoreArgs()] * len(infos))
       out = [None] * len(infos)
@@ -114,9 +129,10 @@ async def _read_into(ocp, ts, info, out: np.ndarray) -> np.ndarray:
   """Reads one saved array into `out`, a whole number of its stored chunks
   of rows at a time (about `CHUNK_BYTES`, or one chunk), written by
   tensorstore straight into `out`. Tensorstore decodes a stored chunk
-  whole, so a part that cut one would decode it again. (Orbax stores an
-  array of up to 2 GiB as one chunk, a larger one in chunks of rows
-  dividing its row count, e.g. 5M rows of a 10M-row f32 table of width
+  whole, so a part that cut one would decode it again. (`save` stores a
+  numpy array of more than `CHUNK_BYTES` in chunks of that size; orbax's
+  own saves, of up to 2 GiB as one chunk, of more in chunks of rows
+  dividing the row count, e.g. 5M rows of a 10M-row f32 table of width
   64.)"""
   spec = ocp.type_handlers.get_json_tspec_read(
       info, use_ocdbt=info.is_ocdbt_checkpoint)

@@ -314,25 +314,24 @@ class ChecksumTest(parameterized.TestCase):
 
 
 class OrbaxIoTest(_DirTest):
-  """`orbax_io`: host arrays saved as they are, read into memory-mapped
-  files in whole stored chunks of rows."""
+  """`orbax_io`: host arrays saved as they are in chunks of rows, read into
+  memory-mapped files in whole stored chunks."""
 
   @parameterized.parameters((jnp.float32, 30), (jnp.bfloat16, 7),
                             (jnp.int32, 1000))
   def test_read_into_a_file_in_stored_chunks(self, dtype, part_rows):
-    ocp, _ = ckpt._orbax()  # pylint: disable=protected-access
     rng = np.random.default_rng(0)
-    tree = {"x": rng.standard_normal((60, 8)).astype(dtype),
+    # 61 rows (a prime: orbax would cut a large array into chunks of one
+    # row), stored in chunks of 12 rows, the last of 1.
+    tree = {"x": rng.standard_normal((61, 8)).astype(dtype),
             "y": np.arange(5, dtype=np.int32), "z": 3}
     path = ckpt._dir(self.dir) / "1"  # pylint: disable=protected-access
-    # Chunks of 12 rows (orbax cuts the rows by their divisors).
-    with orbax_io.checkpointer() as ckptr:
-      ckptr.save(path, args=ocp.args.PyTreeSave(tree, save_args={
-          "x": ocp.SaveArgs(chunk_byte_size=12 * 8 * tree["x"].itemsize),
-          "y": ocp.SaveArgs(), "z": ocp.SaveArgs()}))
+    with mock.patch.object(host_memory, "chunk_rows", return_value=12), \
+        orbax_io.checkpointer() as ckptr:
+      ckptr.save(path, args=orbax_io.save_args(tree))
       ckptr.wait_until_finished()
     out = np.memmap(os.path.join(self.dir, "x.rows"), dtype=tree["x"].dtype,
-                    mode="w+", shape=(60, 8))
+                    mode="w+", shape=(61, 8))
     parts = []
     real_array = tensorstore.array
 
@@ -351,8 +350,8 @@ class OrbaxIoTest(_DirTest):
     self.assertEqual(back["z"], 3)
     # Whole stored chunks of 12 rows, as many as fit part_rows (at least 1).
     per_part = max(12, part_rows // 12 * 12)
-    self.assertEqual(parts, [min(per_part, 60 - a)
-                             for a in range(0, 60, per_part)])
+    self.assertEqual(parts, [min(per_part, 61 - a)
+                             for a in range(0, 61, per_part)])
 
 
 class IntegrityTest(_DirTest):
