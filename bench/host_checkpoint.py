@@ -1,6 +1,7 @@
 """Saving and restoring a host-tier table: seconds and host memory.
 
     python -m bench.host_checkpoint --rows=10000000 --host_dir=DIR
+    python -m bench.host_checkpoint --rows=10000019 --storage=device
 
 One host-tier table (`--rows` x `--width` f32, row-wise Adagrad) with its
 rows and state in files of `--host_dir` (or, with `--host_dir=`, in host
@@ -10,7 +11,8 @@ peak growth of the process's anonymous memory (`RssAnon` of
 /proc/self/status, sampled every few milliseconds: the file-backed pages of
 the table's files are the page cache's, not the process's), beside the
 table's bytes. Anonymous memory near the table's bytes means a second copy
-of the table in host memory.
+of the table in host memory. `--storage=device` times the same table
+held on the device instead.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from absl import app
 from absl import flags
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 import pallas_emb as pe
@@ -37,6 +40,8 @@ _HOST_DIR = flags.DEFINE_string(
     "default: a temporary directory)")
 _CKPT_DIR = flags.DEFINE_string(
     "checkpoint_dir", None, "checkpoint directory (default: temporary)")
+_STORAGE = flags.DEFINE_enum("storage", "host", ["host", "device"],
+                             "where the table lives")
 _JSON_OUT = flags.DEFINE_string("json_out", None, "Write the results here.")
 
 
@@ -77,21 +82,24 @@ def main(argv):
       os.makedirs(host_dir)
     ckpt_dir = _CKPT_DIR.value or os.path.join(tmp, "checkpoint")
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("x",))
+    host = _STORAGE.value == "host"
+    storage = dict(storage="host", cache_rows=min(65536, _ROWS.value // 2),
+                   host_dir=host_dir or None) if host else {}
     table = pe.TableSpec(
         "t", _ROWS.value, _WIDTH.value, optimizer=pe.RowwiseAdagrad(0.05),
-        storage="host", cache_rows=min(65536, _ROWS.value // 2),
-        host_dir=host_dir or None,
-        initializer=lambda key, shape, dtype: np.full(shape, 0.5, dtype))
+        initializer=lambda key, shape, dtype: jnp.full(shape, 0.5, dtype),
+        **storage)
     coll = pe.EmbeddingCollection([table], [pe.FeatureSpec("f", "t")],
                                   mesh, "x")
     state = coll.init(jax.random.key(0))
     gb = _ROWS.value * _WIDTH.value * 4 / 1e9
-    where = f"files of {host_dir}" if host_dir else "host memory"
+    where = ("the device" if not host else
+             f"files of {host_dir}" if host_dir else "host memory")
     print(f"table {_ROWS.value} x {_WIDTH.value} f32: {gb:.2f} GB, in "
           f"{where}", flush=True)
     record = {"rows": _ROWS.value, "width": _WIDTH.value,
               "table_bytes": _ROWS.value * _WIDTH.value * 4,
-              "host_dir": bool(host_dir)}
+              "storage": _STORAGE.value, "host_dir": host and bool(host_dir)}
     _, seconds, grew = _measured(lambda: checkpoint.save_collection(
         ckpt_dir, coll, state, step=1))
     record["save"] = {"seconds": seconds, "anonymous_growth_bytes": grew}
@@ -103,7 +111,7 @@ def main(argv):
     record["restore"] = {"seconds": seconds, "anonymous_growth_bytes": grew}
     print(f"restore: {seconds:7.1f} s, anonymous memory +{grew / 1e9:.2f} GB",
           flush=True)
-    rows = coll.table_arrays(state)["t"]
+    rows = np.asarray(coll.table_arrays(state)["t"])
     if not (rows == 0.5).all():
       raise AssertionError("the restored table is not the saved one")
   if _JSON_OUT.value:

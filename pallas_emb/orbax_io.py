@@ -37,8 +37,38 @@ def checkpointer():
       type_handler_registry=_handlers()[1]))
 
 
+# Orbax's largest chunk (its OCDBT target data file size): it cuts a larger
+# array shard into chunks of rows that divide the shard's row count.
+ORBAX_CHUNK_BYTES = 2 << 30
+
+
+def tiny_orbax_chunks(x) -> bool:
+  """Whether orbax would store the jax array (or ShapeDtypeStruct with a
+  sharding) `x` in chunks of under 1/16 of `CHUNK_BYTES`: a shard of over
+  2 GiB is cut by divisors of its dimensions, so a prime row count gives
+  chunks of one row (hours to save and restore 10M rows). Orbax's own
+  chooser decides; where it is not found, orbax's choice stands."""
+  shard = tuple(x.sharding.shard_shape(x.shape))
+  itemsize = np.dtype(x.dtype).itemsize
+  if itemsize * int(np.prod(shard)) <= ORBAX_CHUNK_BYTES:
+    return False
+  try:
+    from orbax.checkpoint._src.arrays import subchunking  # pylint: disable=g-import-not-at-top
+    chunk = subchunking.choose_chunk_shape(
+        tuple(x.shape), shard, np.dtype(x.dtype), ORBAX_CHUNK_BYTES)
+  except (ImportError, AttributeError, TypeError):
+    return False
+  return itemsize * int(np.prod(chunk)) * 16 < host_memory.CHUNK_BYTES
+
+
 def save_args(tree):
+  """Orbax's save arguments for `tree`. A jax array that orbax would store
+  in tiny chunks (`tiny_orbax_chunks`) is written from a host copy instead,
+  in chunks of rows (below), where one process holds all of it."""
   ocp, _ = _orbax()
+  tree = jax.tree.map(
+      lambda x: np.asarray(x) if isinstance(x, jax.Array)
+      and x.is_fully_addressable and tiny_orbax_chunks(x) else x, tree)
   return ocp.args.PyTreeSave(tree)
 
 

@@ -354,6 +354,50 @@ class OrbaxIoTest(_DirTest):
                              for a in range(0, 61, per_part)])
 
 
+  def test_tiny_orbax_chunks(self):
+    """The arrays orbax stores in chunks of a few rows or columns: over
+    2 GiB a shard, cut by divisors of its dimensions (the sharded ones
+    first, then the largest)."""
+    one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    cols = NamedSharding(Mesh(np.array(jax.devices()[:2]), ("x",)),
+                         P(None, "x"))
+    for rows, width, sharding, tiny in [
+        (10_000_019, 64, one, True),       # prime rows: chunks of 1 row
+        (20_000_038, 64, one, True),       # 2 x prime: chunks of 2 rows
+        (100_000_007, 64, one, True),
+        (64, 20_000_039, one, True),       # the largest dimension is cut
+        (10_000_000, 64, one, False),      # 5M rows a chunk
+        (2**27, 64, one, False),
+        (1_000_003, 64, one, False),       # under 2 GiB: one chunk
+        (100_000_007, 1, one, False),
+        (10_000_019, 64, cols, False),     # shards of 1.28 GB
+        (20_000_039, 64, cols, False)]:    # columns cut: 16 of 32
+      x = jax.ShapeDtypeStruct((rows, width), jnp.float32, sharding=sharding)
+      self.assertEqual(orbax_io.tiny_orbax_chunks(x), tiny,
+                       (rows, width, sharding))
+
+  def test_tiny_chunked_arrays_saved_from_the_host(self):
+    """Such a jax array is saved from a host copy and restores as a jax
+    array, bit for bit, under any sharding."""
+    mesh = Mesh(np.array(jax.devices()[:2]), ("x",))
+    x = jax.device_put(
+        np.random.default_rng(1).standard_normal((62, 8)).astype(np.float32),
+        NamedSharding(mesh, P(None, "x")))
+    with mock.patch.object(orbax_io, "tiny_orbax_chunks", return_value=True):
+      ckpt.save(self.dir, {"t": x}, step=1)
+    ckpt.save(self.dir, {"t": x}, step=2)
+    # Saved from numpy (no sharding recorded), and by orbax's array handler.
+    saved = lambda step: ckpt._saved_tree(self.dir, step)[1]["t"]  # pylint: disable=protected-access
+    self.assertIsNone(saved(1).sharding)
+    self.assertIsNotNone(saved(2).sharding)
+    target = {"t": jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=(
+        NamedSharding(mesh, P("x", None))))}
+    back = ckpt.restore(self.dir, target, step=1)
+    self.assertIsInstance(back["t"], jax.Array)
+    self.assertEqual(back["t"].sharding, target["t"].sharding)
+    test_util.assert_bits_equal(self, back["t"], x, "t")
+
+
 class IntegrityTest(_DirTest):
 
   def _state(self):
