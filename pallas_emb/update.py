@@ -45,6 +45,14 @@ COLUMNS, ROWS, NONE = "columns", "rows", "none"
 MOSAIC = ("mosaic_tpu", "mosaic_tpu_interpret")
 # Slots per chunk of `logical_row_sums`.
 ROW_SUM_CHUNK = 32768
+# A bf16 stack of a power-of-two width: its row norms from the gradients'
+# even and odd columns as they are (`common.split_row_square_sums`, the
+# same bits), not from the logical columns interleaved again (0.23 ms of a
+# v5e bags step against f32's 0.11). Off until the chip has timed it:
+# `python -m bench.tpu --rows=1000000 --widths=64 --kinds=pooled
+# --dtypes=bfloat16 --set=pallas_emb.update.ROW_SUMS_SPLIT=True` beside
+# the same without it.
+ROW_SUMS_SPLIT = False
 
 
 def logical_row_sums(grad_accum: jax.Array, width: int, dtype,
@@ -57,18 +65,24 @@ def logical_row_sums(grad_accum: jax.Array, width: int, dtype,
   the Mosaic gradient sums leave them unwritten); their norms are 0. The
   used ones are summed a chunk at a time."""
   num_slots = grad_accum.shape[0]
-  logical = lambda g: stored.from_grads(g, width, dtype)
+  if (ROW_SUMS_SPLIT and jnp.dtype(dtype) == jnp.bfloat16 and width >= 2
+      and width & (width - 1) == 0):
+    offset = stored.high_offset(width, dtype)
+    row_sums = lambda g: common.split_row_square_sums(
+        g[:, :width // 2], g[:, offset:offset + width // 2], dtype)
+  else:
+    row_sums = lambda g: common.row_square_sums(
+        stored.from_grads(g, width, dtype), dtype)
   if used is None:
-    return common.row_square_sums(logical(grad_accum), dtype)
+    return row_sums(grad_accum)
   if num_slots <= ROW_SUM_CHUNK:
     mask = (jnp.arange(num_slots) < used)[:, None]
-    return common.row_square_sums(logical(jnp.where(mask, grad_accum, 0.0)),
-                                  dtype)
+    return row_sums(jnp.where(mask, grad_accum, 0.0))
 
   def body(start, fresh, row_sq):
     del fresh  # A slot's sum is the same each time it is computed.
     chunk = lax.dynamic_slice_in_dim(grad_accum, start, ROW_SUM_CHUNK)
-    sums = common.row_square_sums(logical(chunk), dtype)[:ROW_SUM_CHUNK]
+    sums = row_sums(chunk)[:ROW_SUM_CHUNK]
     sums = jnp.where(start + jnp.arange(ROW_SUM_CHUNK) < used, sums, 0.0)
     return lax.dynamic_update_slice_in_dim(row_sq, sums, start, 0)
 

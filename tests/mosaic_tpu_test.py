@@ -362,6 +362,29 @@ class GradSumsKernelTest(parameterized.TestCase):
       np.testing.assert_allclose(got[-1], want.sum(), rtol=1e-5)
 
 
+  @parameterized.parameters(2, 4, 8, 16, 32, 64, 128, 256)
+  def test_row_norms_from_split_columns_have_the_same_bits(self, width):
+    """`ROW_SUMS_SPLIT`: a bf16 stack's norms from its even and odd
+    gradient columns as they are, bit for bit the logical columns' (every
+    power-of-two width; large, tiny, infinite and NaN values; in one piece
+    and by chunks)."""
+    rng = np.random.default_rng(width)
+    logical = (rng.standard_normal((40, width))
+               * 10.0 ** rng.integers(-30, 30, (40, width))).astype(F32)
+    logical[3, 0], logical[5, -1], logical[7, width // 2] = (
+        np.inf, np.nan, -np.inf)
+    sums = stored.to_grads(jnp.asarray(logical), BF16)
+    for used, chunk in ((None, 64), (jnp.int32(29), 64), (jnp.int32(29), 8)):
+      got = {}
+      for split in (False, True):
+        with mock.patch.object(pe.update, "ROW_SUMS_SPLIT", split), \
+            mock.patch.object(pe.update, "ROW_SUM_CHUNK", chunk):
+          got[split] = np.asarray(pe.update.logical_row_sums(
+              sums, width, BF16, used))
+      np.testing.assert_array_equal(got[True].view(np.uint32),
+                                    got[False].view(np.uint32))
+
+
 class SparseUpdateTest(parameterized.TestCase):
 
   @parameterized.parameters(*each_in_turn(

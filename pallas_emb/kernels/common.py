@@ -520,8 +520,28 @@ def row_square_sums(grad_accum: jax.Array, round_dtype) -> jax.Array:
   has the same bits wherever XLA fuses this (a loop over chunks of rows,
   or after a scatter).
   """
-  rounded = round_to(grad_accum, round_dtype)
-  squares = unfused_product(rounded, rounded)
+  row_sq = _halving_sum(_rounded_squares(grad_accum, round_dtype))
+  return jnp.concatenate([row_sq, jnp.sum(row_sq, keepdims=True)])
+
+
+def split_row_square_sums(evens: jax.Array, odds: jax.Array,
+                          round_dtype) -> jax.Array:
+  """`row_square_sums` of rows whose even columns are `evens` and odd ones
+  `odds` (`[U, S/2]` each, S a power of two), with the same bits: the
+  halving adds pair columns c and c + S/2, of the same parity until the
+  last add, which adds the even and the odd column's sums."""
+  row_sq = (_halving_sum(_rounded_squares(evens, round_dtype))
+            + _halving_sum(_rounded_squares(odds, round_dtype)))
+  return jnp.concatenate([row_sq, jnp.sum(row_sq, keepdims=True)])
+
+
+def _rounded_squares(x: jax.Array, round_dtype) -> jax.Array:
+  rounded = round_to(x, round_dtype)
+  return unfused_product(rounded, rounded)
+
+
+def _halving_sum(squares: jax.Array) -> jax.Array:
+  """`[U]`: each row's columns summed by halving adds."""
   # Halving adds, not a reduce: XLA:CPU hands a row reduce to a library
   # call that cannot fuse the squares, which then take a `[U, S]` buffer.
   while squares.shape[1] > 1:
@@ -529,5 +549,4 @@ def row_square_sums(grad_accum: jax.Array, round_dtype) -> jax.Array:
     folded = squares[:, :half] + squares[:, half:2 * half]
     squares = (folded if squares.shape[1] % 2 == 0 else
                jnp.concatenate([folded, squares[:, 2 * half:]], axis=1))
-  row_sq = squares[:, 0]
-  return jnp.concatenate([row_sq, jnp.sum(row_sq, keepdims=True)])
+  return squares[:, 0]
