@@ -62,11 +62,14 @@ def batch_rows(coll, batch) -> dict[str, tuple[np.ndarray, ...]]:
     keys = np.concatenate(keys)
     # One sort of (row, does not train): a row's first entry says whether
     # any of its ids trains (a numpy `searchsorted` of every id into the
-    # distinct rows costs 20x more).
-    order = np.sort(np.where(keys < 0, ~keys, keys) * 2 + (keys < 0))
+    # distinct rows costs 20x more). Rows are below 2**31, so the pairs fit
+    # 32 bits, whose sort takes about half the time of 64-bit keys'.
+    rows = np.where(keys < 0, ~keys, keys).astype(np.uint32)
+    order = np.sort((rows << 1) | (keys < 0))
     starts = np.flatnonzero(np.concatenate(
         [[True], (order[1:] >> 1) != (order[:-1] >> 1)]))
     first = order[starts]
-    out[stack.name] = (first >> 1, np.diff(np.append(starts, order.size)),
+    out[stack.name] = ((first >> 1).astype(np.int64),
+                       np.diff(np.append(starts, order.size)),
                        (first & 1) == 0)
   return out

@@ -253,6 +253,41 @@ class HostKeysTest(absltest.TestCase):
           np.asarray(stack_lib.entry_keys(feature, jnp.asarray(ids), None)))
 
 
+  def test_batch_rows_match_numpy_model(self):
+    """Each host-tier stack's distinct rows, the ids reading each and
+    whether one trains it, against np.unique over `host_keys`, up to the
+    largest vocabulary int32 ids reach."""
+    rng = np.random.default_rng(1)
+    mesh = test_util.mesh({"x": 1})
+    for vocab, padding in ((60, 0), (2**31 - 1, 5), (2**31 - 1, None)):
+      table = pe.TableSpec("t", vocab, 8, optimizer=pe.Sgd(0.1),
+                           storage="host", cache_rows=32,
+                           padding_id=padding)
+      coll = pe.EmbeddingCollection(
+          [table], [pe.FeatureSpec("a", "t"),
+                    pe.FeatureSpec("b", "t", combiner="sum")], mesh, "x")
+      ids = {"a": spread_ids(rng, (B, SEQ), min(vocab, 2**20)),
+             "b": pe.Bag(np.concatenate([
+                 rng.integers(vocab - 3, vocab, (B, 2)),
+                 rng.integers(-2, 3, (B, 2))], 1).astype(np.int32),
+                         np.ones((B, BAG), np.float32))}
+      ((name, (rows, counts, trains)),) = host_batches.batch_rows(
+          coll, ids).items()
+      self.assertEqual(name, coll.plan.stacks[0].name)
+      keys = np.concatenate([
+          host_batches.host_keys(ids["a"], vocab, padding),
+          host_batches.host_keys(ids["b"].ids, vocab, padding)])
+      row = np.where(keys < 0, ~keys, keys)
+      want, inverse, want_counts = np.unique(row, return_inverse=True,
+                                             return_counts=True)
+      want_trains = np.zeros(want.size, bool)
+      want_trains[inverse[keys >= 0]] = True
+      np.testing.assert_array_equal(rows, want)
+      np.testing.assert_array_equal(counts, want_counts)
+      np.testing.assert_array_equal(trains, want_trains)
+      self.assertGreater(rows.max(), 2**31 - 4 if vocab > 60 else 0)
+
+
 class SpecTest(absltest.TestCase):
 
   def test_bad_storage_specs_raise(self):
