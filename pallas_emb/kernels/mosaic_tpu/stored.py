@@ -29,6 +29,8 @@ it is.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 from jax import lax
 import jax.numpy as jnp
@@ -39,14 +41,18 @@ from pallas_emb.kernels import common
 LANES = 128
 WORD = jnp.uint32  # a bf16 table's stored dtype: two columns per word
 # How `to_stored` and `from_stored` pair a bf16 table's columns into words:
-# "pairs" bitcasts a `[..., words, 2]` bf16 view; "matmul" moves each
-# column's 16 bits as an integer-valued f32 through 0/1 matrices (exact at
-# HIGHEST precision: every output is one product by 1). On a v5e, XLA took
-# 106 s to compile "pairs" for a `[10M, 64]` table (and 0.093 s to run
-# it), 85 s for its inverse, when the pair view was of bf16 (now of its
-# 16-bit integers; not timed since); "matmul" has no pair axis to lay
-# out, and is the one to time against it (`python -m bench.tpu_convert`).
-BF16_CONVERT = "pairs"
+# "pairs" bitcasts a `[..., words, 2]` view of the columns' 16-bit
+# integers; "matmul" moves each column's 16 bits as an integer-valued f32
+# through 0/1 matrices (exact at HIGHEST precision: every output is one
+# product by 1); "auto" (the default) picks per platform as the program is
+# lowered: "matmul" on a TPU, "pairs" elsewhere. On a v5e, for a
+# `[10M, 64]` table (`python -m bench.tpu_convert --rows=10000000`),
+# XLA compiled "matmul" in 4.65 s (to_stored) and 2.37 s (from_stored)
+# against 97.0 and 84.0 s for "pairs", whose pair axis the chip lays out
+# in tiles of its own, and ran them in 28.7 and 24.8 ms against 60.4 and
+# 29.5 ms. On a 2-core CPU "matmul" runs 6x slower (1.56 s against 0.24
+# s at 1M rows).
+BF16_CONVERT = "auto"
 
 
 def _is_bf16(dtype) -> bool:
@@ -137,13 +143,34 @@ def to_stored(x: jax.Array) -> jax.Array:
       raise TypeError(f"pallas_emb stored tables are f32 or bf16, got "
                       f"{x.dtype}.")
     return _pad_columns(x, stored_width(width, x.dtype))
+  return _by_pairing(_words_by_matmul, _words_by_pairs, x)
+
+
+def _by_pairing(matmul, pairs, x):
+  """`matmul(x)` or `pairs(x)` as `BF16_CONVERT` says ("auto": per the
+  platform the program is lowered for)."""
   if BF16_CONVERT == "matmul":
-    bits = lax.bitcast_convert_type(x, jnp.uint16).astype(jnp.float32)
-    low, high = (_take_columns(bits, _pairing(width, h).T).astype(WORD)
-                 for h in (0, 1))
-    return low | (high << 16)
+    return matmul(x)
+  if BF16_CONVERT == "pairs":
+    return pairs(x)
+  if BF16_CONVERT != "auto":
+    raise ValueError(f"pallas_emb: stored.BF16_CONVERT={BF16_CONVERT!r}; "
+                     "expected 'auto', 'matmul' or 'pairs'.")
+  return lax.platform_dependent(x, tpu=matmul, default=pairs)
+
+
+def _words_by_matmul(x):
+  width = x.shape[-1]
+  bits = lax.bitcast_convert_type(x, jnp.uint16).astype(jnp.float32)
+  low, high = (_take_columns(bits, _pairing(width, h).T).astype(WORD)
+               for h in (0, 1))
+  return low | (high << 16)
+
+
+def _words_by_pairs(x):
   # Padded as integers: XLA:CPU pads a bf16 array by way of f32, which
   # turns every NaN into the one quiet NaN.
+  width = x.shape[-1]
   bits = _pad_columns(lax.bitcast_convert_type(x, jnp.uint16),
                       2 * words(width, x.dtype))
   pairs = lax.bitcast_convert_type(bits.reshape(bits.shape[:-1] + (-1, 2)),
@@ -155,14 +182,22 @@ def from_stored(x: jax.Array, width: int, dtype) -> jax.Array:
   """The logical `[..., width]` table (or rows) of `dtype` of stored `x`."""
   if not _is_bf16(dtype):
     return x[..., :width].astype(dtype)
-  if BF16_CONVERT == "matmul":
-    x = x[..., :stored_width(width, dtype)]
-    halves = jnp.concatenate([(x & 0xFFFF).astype(jnp.float32),
-                              (x >> 16).astype(jnp.float32)], axis=-1)
-    pairing = np.concatenate([_pairing(width, 0), _pairing(width, 1)])
-    bits = _take_columns(halves, pairing).astype(jnp.uint16)
-    return lax.bitcast_convert_type(bits, jnp.bfloat16)
-  pairs = lax.bitcast_convert_type(x[..., :words(width, dtype)], jnp.uint16)
+  return _by_pairing(functools.partial(_columns_by_matmul, width=width),
+                     functools.partial(_columns_by_pairs, width=width), x)
+
+
+def _columns_by_matmul(x, width):
+  x = x[..., :stored_width(width, jnp.bfloat16)]
+  halves = jnp.concatenate([(x & 0xFFFF).astype(jnp.float32),
+                            (x >> 16).astype(jnp.float32)], axis=-1)
+  pairing = np.concatenate([_pairing(width, 0), _pairing(width, 1)])
+  bits = _take_columns(halves, pairing).astype(jnp.uint16)
+  return lax.bitcast_convert_type(bits, jnp.bfloat16)
+
+
+def _columns_by_pairs(x, width):
+  pairs = lax.bitcast_convert_type(x[..., :words(width, jnp.bfloat16)],
+                                   jnp.uint16)
   return lax.bitcast_convert_type(
       pairs.reshape(x.shape[:-1] + (-1,))[..., :width], jnp.bfloat16)
 
