@@ -58,6 +58,7 @@ from absl import app
 from absl import flags
 
 from bench import trace
+from bench.settings import apply_settings
 
 _ROWS = flags.DEFINE_integer("rows", 100_000_000, "Rows of the host table.")
 _WIDTH = flags.DEFINE_integer("width", 64, "Columns (f32).")
@@ -95,6 +96,9 @@ _HOST_DIR = flags.DEFINE_string(
     "existing directory (`TableSpec.host_dir`), for a table larger than the "
     "host's memory.")
 _JSON_OUT = flags.DEFINE_string("json_out", None, "Write the results here.")
+_SET = flags.DEFINE_multi_string(
+    "set", [], "MODULE.NAME=VALUE: sets a module constant first (a knob, "
+    "e.g. pallas_emb.host_memory.MAP_ADVICE=None).")
 
 
 def _batches(np, datasets, rows, ids, bag, count, zipf, seed):
@@ -315,6 +319,7 @@ def main(argv):
   import pallas_emb as pe  # pylint: disable=g-import-not-at-top
   from pallas_emb import datasets  # pylint: disable=g-import-not-at-top
 
+  apply_settings(_SET.value)
   jax.monitoring.register_event_duration_secs_listener(_count_compiles)
   device = jax.devices()[0]
   doc = {"what": "bench.host_tier", "device": str(device.device_kind),
@@ -322,7 +327,8 @@ def main(argv):
          "rows": _ROWS.value, "width": _WIDTH.value, "ids": _IDS.value,
          "cache_rows": _CACHE.value, "policy": _POLICY.value,
          "zipf": _ZIPF.value, "steps": _STEPS.value,
-         "compare_device_rows": _DEVICE_ROWS.value, "results": []}
+         "compare_device_rows": _DEVICE_ROWS.value,
+         "host_dir": _HOST_DIR.value, "settings": _SET.value, "results": []}
   doc["link"] = _link(jax, np, _LINK_MB.value)
   print(f"{device.platform} {device.device_kind}: host -> device "
         f"{doc['link']['to_device_gbps']:.2f} GB/s, device -> host "

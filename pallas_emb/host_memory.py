@@ -16,7 +16,9 @@ out of them on threads.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import functools
+import mmap
 import os
 import shutil
 
@@ -32,6 +34,15 @@ CHUNK_BYTES = 1 << 28
 # threads (`in_chunks`).
 PARALLEL_ROWS = 16384
 MAX_THREADS = 8
+# How a `host_dir` table's files are mapped while it trains: "random"
+# (madvise MADV_RANDOM) has a page fault read its own page only, not the
+# pages around it (the OS's read-ahead, sized for files read in order,
+# which moved tens of pages from the disk for each row a step touched: on
+# a 2-core CPU with 23 GB of memory, a 100M x 64 f32 table's steps of
+# 16,384 sequence ids took 909 ms with it, 50 and 54 ms without); None
+# leaves the OS's default. Filled front to back (`filled_in_order`), a
+# file is read ahead as usual.
+MAP_ADVICE = "random"
 
 
 def cpu_device():
@@ -73,7 +84,36 @@ def host_array(spec, part: str, shape, dtype) -> np.ndarray:
   size = int(np.prod(shape)) * np.dtype(dtype).itemsize
   mode = "r+" if os.path.isfile(path) and os.path.getsize(path) == size else (
       "w+")
-  return np.memmap(path, dtype=dtype, mode=mode, shape=shape)
+  mapped = np.memmap(path, dtype=dtype, mode=mode, shape=shape)
+  advise_random(mapped)
+  return mapped
+
+
+def advise_random(mapped) -> None:
+  """Tells the OS that `mapped` (a `host_array`) is read and written a row
+  here and there (`MAP_ADVICE`), where it is a file's map and the
+  platform can be told."""
+  if MAP_ADVICE == "random":
+    _advise(mapped, "MADV_RANDOM")
+
+
+@contextlib.contextmanager
+def filled_in_order(mapped):
+  """`mapped` (a `host_array`) read ahead while the block fills it front
+  to back (MADV_SEQUENTIAL), then advised for training again."""
+  _advise(mapped, "MADV_SEQUENTIAL")
+  try:
+    yield mapped
+  finally:
+    _advise(mapped, "MADV_NORMAL")
+    advise_random(mapped)
+
+
+def _advise(mapped, name: str) -> None:
+  advice = getattr(mmap, name, None)
+  handle = getattr(mapped, "_mmap", None)
+  if advice is not None and handle is not None:
+    handle.madvise(advice)
 
 
 def _maps_whole_file(x, path: str, dtype) -> bool:
@@ -150,7 +190,7 @@ def init_table(spec, key) -> np.ndarray:
   # Jitted, as the device table's init (eager ops round differently).
   init = jax.jit(lambda k, n: spec.initializer(k, (n, width), spec.dtype)
                  .astype(spec.dtype), static_argnums=1)
-  with jax.default_device(cpu_device()):
+  with jax.default_device(cpu_device()), filled_in_order(out):
     key = jax.device_put(key, cpu_device())
     for i, start in enumerate(range(0, rows, step)):
       n = min(step, rows - start)
@@ -168,7 +208,8 @@ def init_slots(spec) -> dict[str, np.ndarray]:
   for s in opt.slots():
     slots[s.name] = host_array(spec, s.name, (spec.vocab_rows,) + (
         (spec.emb_width,) if s.kind == "element" else ()), s.dtype)
-    slots[s.name][...] = s.init
+    with filled_in_order(slots[s.name]):
+      slots[s.name][...] = s.init
   return slots
 
 
@@ -188,9 +229,10 @@ def as_host_array(spec, part: str, x, dtype, copy: bool = True
     return np.array(jax.device_get(x), dtype)
   out = host_array(spec, part, x.shape, dtype)
   step = chunk_rows(int(np.prod(x.shape[1:])), np.dtype(dtype).itemsize)
-  for start in range(0, x.shape[0], step):
-    out[start:start + step] = np.asarray(jax.device_get(
-        x[start:start + step]), dtype)
+  with filled_in_order(out):
+    for start in range(0, x.shape[0], step):
+      out[start:start + step] = np.asarray(jax.device_get(
+          x[start:start + step]), dtype)
   return out
 
 

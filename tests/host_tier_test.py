@@ -474,6 +474,40 @@ class HostTierTest(parameterized.TestCase):
         host_memory.host_path(spec, "rows")))
     self.check_equal(mapped, plain, again, pstate, "again")
 
+  def test_host_dir_files_are_mapped_for_random_rows(self):
+    """A `host_dir` file's mapping carries MADV_RANDOM (Linux shows it as
+    "rr" in /proc/self/smaps), so a row's page fault reads that page
+    alone, but MADV_SEQUENTIAL ("sr") while it is filled in order;
+    MAP_ADVICE=None leaves the OS's default."""
+    if not os.path.exists("/proc/self/smaps"):
+      self.skipTest("no /proc/self/smaps on this platform")
+
+    def vm_flags(path):
+      with open("/proc/self/smaps", encoding="ascii", errors="replace") as f:
+        lines = f.read().splitlines()
+      for i, line in enumerate(lines):
+        if line.endswith(" " + path):
+          flags = next(l for l in lines[i + 1:] if l.startswith("VmFlags:"))
+          return flags.split()[1:]
+      raise AssertionError(f"{path} is not mapped")
+
+    with tempfile.TemporaryDirectory() as directory:
+      for advice, advised in (("random", True), (None, False)):
+        spec = pe.TableSpec(f"t{advised}", 1000, 8,
+                            optimizer=pe.RowwiseAdagrad(0.1),
+                            storage="host", cache_rows=16,
+                            host_dir=directory)
+        with mock.patch.object(host_memory, "MAP_ADVICE", advice):
+          rows = host_memory.host_array(spec, "rows", (1000, 8), np.float32)
+          path = os.path.realpath(host_memory.host_path(spec, "rows"))
+          self.assertEqual("rr" in vm_flags(path), advised, advice)
+          with host_memory.filled_in_order(rows):
+            self.assertIn("sr", vm_flags(path))
+            self.assertNotIn("rr", vm_flags(path))
+          flags = vm_flags(path)
+          self.assertEqual(("rr" in flags, "sr" in flags), (advised, False))
+        del rows
+
   def test_host_dir_errors_before_allocating(self):
     directory = self.enter_context(tempfile.TemporaryDirectory())
     missing, _ = collections(host_dir=os.path.join(directory, "absent"))
