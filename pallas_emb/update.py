@@ -49,9 +49,9 @@ ROW_SUM_CHUNK = 32768
 # even and odd columns as they are (`common.split_row_square_sums`, the
 # same bits), not from the logical columns interleaved again (0.23 ms of a
 # v5e bags step against f32's 0.11). On a v5e the 1M x 64 bf16 bags took
-# 10.35 ms with it against 10.42 and 10.54 ms without, in runs alternated
-# in one process each, one after another (`python -m bench.tpu --rows=1000000 --widths=64
-# --kinds=pooled --dtypes=bfloat16 --backends=mosaic_tpu --nodense
+# 10.35 ms with it against 10.42 and 10.54 ms without, one run after
+# another (`python -m bench.tpu --rows=1000000 --widths=64 --kinds=pooled
+# --dtypes=bfloat16 --backends=mosaic_tpu --nodense
 # --set=pallas_emb.update.ROW_SUMS_SPLIT=False`, then =True, then =False).
 ROW_SUMS_SPLIT = True
 
