@@ -16,7 +16,6 @@ out of them on threads.
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
 import functools
 import mmap
 import os
@@ -34,14 +33,17 @@ CHUNK_BYTES = 1 << 28
 # threads (`in_chunks`).
 PARALLEL_ROWS = 16384
 MAX_THREADS = 8
-# How a `host_dir` table's files are mapped while it trains: "random"
-# (madvise MADV_RANDOM) has a page fault read its own page only, not the
-# pages around it (the OS's read-ahead, sized for files read in order,
-# which moved tens of pages from the disk for each row a step touched: on
-# a 2-core CPU with 23 GB of memory, a 100M x 64 f32 table's steps of
-# 16,384 sequence ids took 909 ms with it, 50 and 54 ms without); None
-# leaves the OS's default. Filled front to back (`filled_in_order`), a
-# file is read ahead as usual.
+# How a `host_dir` table's files are mapped: "random" (madvise
+# MADV_RANDOM) has a page fault bring its own page only. The OS's default
+# reads ahead, as for a file read in order: it moved tens of pages from the
+# disk for each row a step touched (on a 2-core CPU with 23 GB of memory,
+# a 100M x 64 f32 table's steps of 16,384 sequence ids took 909 ms with
+# it, 50 and 54 ms without), and it fills the page cache with large folios
+# (up to 2 MB on Linux 6.x's ext4), each of which a changed 256-byte row
+# sends back to the disk whole: 20,000 rows written back in a 4 GB file
+# wrote 4.07 GB, against 81 MB with the file filled under MADV_RANDOM
+# (`python -m bench.host_file_writes`). So the files are filled under it
+# too, a page at a time (2.4x slower). None leaves the OS's default.
 MAP_ADVICE = "random"
 
 
@@ -93,27 +95,11 @@ def advise_random(mapped) -> None:
   """Tells the OS that `mapped` (a `host_array`) is read and written a row
   here and there (`MAP_ADVICE`), where it is a file's map and the
   platform can be told."""
-  if MAP_ADVICE == "random":
-    _advise(mapped, "MADV_RANDOM")
-
-
-@contextlib.contextmanager
-def filled_in_order(mapped):
-  """`mapped` (a `host_array`) read ahead while the block fills it front
-  to back (MADV_SEQUENTIAL), then advised for training again."""
-  _advise(mapped, "MADV_SEQUENTIAL")
-  try:
-    yield mapped
-  finally:
-    _advise(mapped, "MADV_NORMAL")
-    advise_random(mapped)
-
-
-def _advise(mapped, name: str) -> None:
-  advice = getattr(mmap, name, None)
+  advice = getattr(mmap, "MADV_RANDOM", None)
   handle = getattr(mapped, "_mmap", None)
-  if advice is not None and handle is not None:
+  if MAP_ADVICE == "random" and advice is not None and handle is not None:
     handle.madvise(advice)
+
 
 
 def _maps_whole_file(x, path: str, dtype) -> bool:
@@ -190,7 +176,7 @@ def init_table(spec, key) -> np.ndarray:
   # Jitted, as the device table's init (eager ops round differently).
   init = jax.jit(lambda k, n: spec.initializer(k, (n, width), spec.dtype)
                  .astype(spec.dtype), static_argnums=1)
-  with jax.default_device(cpu_device()), filled_in_order(out):
+  with jax.default_device(cpu_device()):
     key = jax.device_put(key, cpu_device())
     for i, start in enumerate(range(0, rows, step)):
       n = min(step, rows - start)
@@ -208,8 +194,7 @@ def init_slots(spec) -> dict[str, np.ndarray]:
   for s in opt.slots():
     slots[s.name] = host_array(spec, s.name, (spec.vocab_rows,) + (
         (spec.emb_width,) if s.kind == "element" else ()), s.dtype)
-    with filled_in_order(slots[s.name]):
-      slots[s.name][...] = s.init
+    slots[s.name][...] = s.init
   return slots
 
 
@@ -229,10 +214,9 @@ def as_host_array(spec, part: str, x, dtype, copy: bool = True
     return np.array(jax.device_get(x), dtype)
   out = host_array(spec, part, x.shape, dtype)
   step = chunk_rows(int(np.prod(x.shape[1:])), np.dtype(dtype).itemsize)
-  with filled_in_order(out):
-    for start in range(0, x.shape[0], step):
-      out[start:start + step] = np.asarray(jax.device_get(
-          x[start:start + step]), dtype)
+  for start in range(0, x.shape[0], step):
+    out[start:start + step] = np.asarray(jax.device_get(
+        x[start:start + step]), dtype)
   return out
 
 

@@ -134,8 +134,7 @@ def _handlers():
         for i, x in zip(others, read):
           out[i] = x
       for i in files:
-        with host_memory.filled_in_order(args[i].out):
-          out[i] = await _read_into(ocp, ts, infos[i], args[i].out)
+        out[i] = await _read_into(ocp, ts, infos[i], args[i].out)
       return out
 
   numpy = NumpyInPlace()
