@@ -72,12 +72,13 @@ def assert_same(test, got, want, exact=EXACT):
 
 
 def xla_tpu_bf16_read(bits: np.ndarray) -> np.ndarray:
-  """The bf16 bit patterns `bits` (uint16) as XLA:TPU reads them: measured
-  on a v5e (JAX 0.10.2), a jitted `lax.bitcast_convert_type` of a bf16
-  array to uint16 (or any XLA op that reads bf16 there) gives every NaN as
-  0x7FC0 and every subnormal as a zero of its sign, other patterns as
-  they are, while a device_put round trip and a Mosaic kernel's bitcast
-  keep all 65,536. A TPU computes on bf16 this way anyway."""
+  """The bf16 bit patterns `bits` (uint16) as XLA:TPU reads them: on a
+  v5e (JAX 0.10.2), a jitted `lax.bitcast_convert_type` of a bf16 array to
+  uint16, or a jitted pad of it, gave the NaNs 0x7FC1 and 0xFFFF as
+  0x7FC0 and the subnormals 0x0001 and 0x8001 as zeros of their sign, and
+  kept infinities, -0 and normal values, while a device_put round trip
+  and a Mosaic kernel's bitcast kept them all. Modelled for every NaN
+  and subnormal (docs/tpu.md, "bf16 bits on a TPU")."""
   exponent, mantissa = bits & 0x7F80, bits & 0x007F
   out = np.where(exponent == 0, bits & 0x8000, bits)
   return np.where((exponent == 0x7F80) & (mantissa != 0), 0x7FC0,
