@@ -43,7 +43,8 @@ MAX_THREADS = 8
 # sends back to the disk whole: 20,000 rows written back in a 4 GB file
 # wrote 4.07 GB, against 81 MB with the file filled under MADV_RANDOM
 # (`python -m bench.host_file_writes`). So the files are filled under it
-# too, a page at a time (2.2-2.4x slower at 100M rows). None leaves the OS's default.
+# too, a page at a time (2.2-2.4x slower at 100M rows). None leaves the
+# OS's default.
 MAP_ADVICE = "random"
 
 
