@@ -130,18 +130,22 @@ def _profiled(jax, run, steps: int) -> dict:
   return out
 
 
-def _memory(stage: str, into: dict) -> None:
+def _memory(stage: str, into: dict, since: float) -> None:
   """Records and prints this process's resident and peak host memory (GB,
-  Linux /proc) at `stage`: where a large host tier's memory goes."""
+  Linux /proc) at `stage`, and the seconds since `since`: where a large
+  host tier's memory and start-up time go."""
+  seconds = time.perf_counter() - since
   try:
     with open("/proc/self/status") as f:
       fields = dict(line.split(":", 1) for line in f if ":" in line)
   except OSError:
     return
   gb = lambda key: int(fields.get(key, "0 kB").split()[0]) / 2**20
-  into[stage] = {"rss_gb": gb("VmRSS"), "peak_gb": gb("VmHWM")}
-  print(f"    host memory after {stage}: {into[stage]['rss_gb']:.2f} GB "
-        f"resident, {into[stage]['peak_gb']:.2f} GB peak", flush=True)
+  into[stage] = {"rss_gb": gb("VmRSS"), "peak_gb": gb("VmHWM"),
+                 "seconds": seconds}
+  print(f"    host memory after {stage}, {seconds:.1f} s in: "
+        f"{into[stage]['rss_gb']:.2f} GB resident, "
+        f"{into[stage]['peak_gb']:.2f} GB peak", flush=True)
 
 
 _COMPILING = {"seconds": 0.0, "programs": 0}
@@ -155,9 +159,11 @@ def _count_compiles(name: str, seconds: float, **_) -> None:
     _COMPILING["programs"] += name.endswith("backend_compile_duration")
 
 
-def _run(pe, jax, jnp, np, optax, rows, bag, batches, host, steps, warmup):
+def _run(pe, jax, jnp, np, optax, rows, bag, batches, host, steps, warmup,
+         began):
   """Times `steps` pipelined steps (after `warmup`) of a one-table
-  collection: the host tier (`host`: cache rows) or a device table."""
+  collection: the host tier (`host`: cache rows) or a device table
+  (`began`: when its batches began to be drawn)."""
   mesh = jax.make_mesh((1,), ("x",))
   extra = dict(storage="host", cache_rows=host, cache_policy=_POLICY.value,
                host_dir=_HOST_DIR.value) if host else {}
@@ -175,13 +181,13 @@ def _run(pe, jax, jnp, np, optax, rows, bag, batches, host, steps, warmup):
 
   trainer = pe.Trainer(coll, loss_fn, optax.sgd(0.01))
   memory = {}
-  _memory("the batches", memory)
+  _memory("the batches", memory, began)
   emb_state = coll.init(jax.random.key(0))
-  _memory("coll.init", memory)
+  _memory("coll.init", memory, began)
   state = trainer.init(emb_state, {"w": jnp.full((_WIDTH.value, 1), 0.1)},
                        batches[0])
   del emb_state
-  _memory("trainer.init", memory)
+  _memory("trainer.init", memory, began)
   step = trainer.step if host else jax.jit(trainer.step, donate_argnums=0)
   cache, t = [], 0
   calls, ready = [], []  # per step: when its call began; when its loss was
@@ -221,7 +227,7 @@ def _run(pe, jax, jnp, np, optax, rows, bag, batches, host, steps, warmup):
     return (statistics.median(steps_s) if steps_s else mean), mean
 
   run(warmup, False)
-  _memory("the warmup steps", memory)
+  _memory("the warmup steps", memory, began)
   cache.clear()
   out = {"memory_gb": memory}
   before = dict(_COMPILING)
@@ -229,7 +235,7 @@ def _run(pe, jax, jnp, np, optax, rows, bag, batches, host, steps, warmup):
   out["compiled_programs"] = _COMPILING["programs"] - before["programs"]
   out["mean_step_s_without_compiles"] = out["mean_step_s"] - (
       _COMPILING["seconds"] - before["seconds"]) / max(steps, 1)
-  _memory("the timed steps", memory)
+  _memory("the timed steps", memory, began)
   # How long the call of step t+1 (its prefetch first) ran before step t's
   # loss was ready: host work overlapping the device's (at most the
   # prefetch; all of it for a device table, which has none).
@@ -337,11 +343,13 @@ def main(argv):
   for bag in map(int, _BAG.value):
     what = f"{_IDS.value} bags of {bag}" if bag else (
         f"{_IDS.value} sequence ids")
+    began = time.perf_counter()
     batches = _batches(np, datasets, _ROWS.value, _IDS.value, bag, count,
                        _ZIPF.value, 1)
     record = {"bag": bag, "what": what}
     record["host"] = _run(pe, jax, jnp, np, optax, _ROWS.value, bag,
-                          batches, _CACHE.value, _STEPS.value, _WARMUP.value)
+                          batches, _CACHE.value, _STEPS.value, _WARMUP.value,
+                          began)
     del batches
     h = record["host"]
     print(f"{what}: host tier [{_ROWS.value}, {_WIDTH.value}] cache "
@@ -360,10 +368,12 @@ def main(argv):
              "steps): a cold cache's hit rate, raise --warmup"
              if h["filling"] else ""))
     if _DEVICE_ROWS.value:
+      began = time.perf_counter()
       batches = _batches(np, datasets, _DEVICE_ROWS.value, _IDS.value, bag,
                          count, _ZIPF.value, 1)
       record["device"] = _run(pe, jax, jnp, np, optax, _DEVICE_ROWS.value,
-                              bag, batches, 0, _STEPS.value, _WARMUP.value)
+                              bag, batches, 0, _STEPS.value, _WARMUP.value,
+                              began)
       del batches
       d = record["device"]
       record["host_over_device"] = h["step_s"] / d["step_s"]

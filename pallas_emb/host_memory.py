@@ -43,7 +43,8 @@ MAX_THREADS = 8
 # sends back to the disk whole: 20,000 rows written back in a 4 GB file
 # wrote 4.07 GB, against 81 MB with the file filled under MADV_RANDOM
 # (`python -m bench.host_file_writes`). So the files are filled under it
-# too, a page at a time (2.2-2.4x slower at 100M rows). None leaves the
+# too, a page at a time (2.2-2.4x slower at 100M rows on one thread;
+# `fill_rows` spreads the faults over the host's cores). None leaves the
 # OS's default.
 MAP_ADVICE = "random"
 
@@ -181,9 +182,22 @@ def init_table(spec, key) -> np.ndarray:
     key = jax.device_put(key, cpu_device())
     for i, start in enumerate(range(0, rows, step)):
       n = min(step, rows - start)
-      out[start:start + n] = np.asarray(
-          init(key if i == 0 else jax.random.fold_in(key, i), n))
+      fill_rows(out, start, np.asarray(
+          init(key if i == 0 else jax.random.fold_in(key, i), n)))
   return out
+
+
+def fill_rows(out: np.ndarray, start: int, values) -> None:
+  """`out[start:start + len(values)] = values`, or with a scalar `values`
+  every row from `start` on, on the host's cores: a file's map is filled a
+  page fault at a time, and faults of separate pages run in parallel."""
+  scalar = np.ndim(values) == 0
+  n = out.shape[0] - start if scalar else len(values)
+
+  def fill(a, b):
+    out[start + a:start + b] = values if scalar else values[a:b]
+
+  in_chunks(fill, n)
 
 
 def init_slots(spec) -> dict[str, np.ndarray]:
@@ -195,7 +209,7 @@ def init_slots(spec) -> dict[str, np.ndarray]:
   for s in opt.slots():
     slots[s.name] = host_array(spec, s.name, (spec.vocab_rows,) + (
         (spec.emb_width,) if s.kind == "element" else ()), s.dtype)
-    slots[s.name][...] = s.init
+    fill_rows(slots[s.name], 0, s.init)
   return slots
 
 
@@ -216,8 +230,8 @@ def as_host_array(spec, part: str, x, dtype, copy: bool = True
   out = host_array(spec, part, x.shape, dtype)
   step = chunk_rows(int(np.prod(x.shape[1:])), np.dtype(dtype).itemsize)
   for start in range(0, x.shape[0], step):
-    out[start:start + step] = np.asarray(jax.device_get(
-        x[start:start + step]), dtype)
+    fill_rows(out, start, np.asarray(jax.device_get(x[start:start + step]),
+                                     dtype))
   return out
 
 
