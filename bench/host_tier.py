@@ -95,6 +95,9 @@ _HOST_DIR = flags.DEFINE_string(
     "host_dir", None, "Keep the host table in memory-mapped files of this "
     "existing directory (`TableSpec.host_dir`), for a table larger than the "
     "host's memory.")
+_REPORT_S = flags.DEFINE_float(
+    "report_s", 30.0, "Print the steps' progress this often (seconds; 0: "
+    "never): what a run stopped by a time limit still tells.")
 _JSON_OUT = flags.DEFINE_string("json_out", None, "Write the results here.")
 _SET = flags.DEFINE_multi_string(
     "set", [], "MODULE.NAME=VALUE: sets a module constant first (a knob, "
@@ -205,8 +208,8 @@ def _run(pe, jax, jnp, np, optax, rows, bag, batches, host, steps, warmup,
     losses = queue.Queue()
     watcher = threading.Thread(target=watch, args=(losses,))
     watcher.start()
-    start = time.perf_counter()
-    for _ in range(n):
+    start = report = time.perf_counter()
+    for i in range(n):
       calls.append(time.perf_counter())
       state, metrics = step(state, batches[t % len(batches)],
                             batches[(t + 1) % len(batches)])
@@ -216,6 +219,9 @@ def _run(pe, jax, jnp, np, optax, rows, bag, batches, host, steps, warmup,
         cache.append(metrics.cache["t"])
       if wait:
         jax.block_until_ready(state)
+      if _REPORT_S.value and calls[-1] - report >= _REPORT_S.value:
+        report = calls[-1]
+        _progress(i + 1, n, calls, cache)
     jax.block_until_ready(state)
     mean = (time.perf_counter() - start) / max(n, 1)
     losses.put(None)
@@ -251,7 +257,9 @@ def _run(pe, jax, jnp, np, optax, rows, bag, batches, host, steps, warmup,
                                           _PROFILE.value)
   if host:
     out["step_waited_s"], out["mean_step_waited_s"] = run(steps, True)
-    out["prefetch_s"] = statistics.median(c.seconds for c in cache)
+    for field, name in (("seconds", "prefetch_s"), ("read_seconds", "read_s"),
+                        ("wait_seconds", "write_back_wait_s")):
+      out[name] = statistics.median(getattr(c, field) for c in cache)
     for field in ("rows", "fetched", "evicted", "written_back",
                   "bytes_to_device", "bytes_to_host"):
       out[field + "_per_step"] = statistics.mean(getattr(c, field)
@@ -266,6 +274,24 @@ def _run(pe, jax, jnp, np, optax, rows, bag, batches, host, steps, warmup,
     out["plan"] = coll.plan.describe()
   del state
   return out
+
+
+def _progress(done: int, n: int, calls: list, cache: list) -> None:
+  """Prints the steps so far: their pace, and the host tier's cache over
+  the last ten."""
+  pace = (calls[-1] - calls[0]) / max(1, len(calls) - 1)
+  line = f"    {done} of {n} steps, {1e3 * pace:.0f} ms a step"
+  if cache:
+    last = cache[-10:]
+    mean = lambda f: statistics.mean(getattr(c, f) for c in last)
+    hits = sum(c.hits for c in last) / max(1, sum(c.rows for c in last))
+    line += (f"; the last {len(last)}: hit rate {hits:.3f}, "
+             f"{mean('fetched'):.0f} fetched, {mean('evicted'):.0f} evicted, "
+             f"{mean('written_back'):.0f} written back; prefetch "
+             f"{1e3 * mean('seconds'):.0f} ms on the host, reading rows "
+             f"{1e3 * mean('read_seconds'):.0f}, waiting for write-backs "
+             f"{1e3 * mean('wait_seconds'):.0f}")
+  print(line, flush=True)
 
 
 def _link(jax, np, mb):
@@ -358,7 +384,9 @@ def main(argv):
           f"{1e3 * h['mean_step_s_without_compiles']:.1f} without the "
           f"{h['compiled_programs']} programs compiled; "
           f"{1e3 * h['step_waited_s']:.1f} ms waited for, prefetch "
-          f"{1e3 * h['prefetch_s']:.1f} ms on the host, of which "
+          f"{1e3 * h['prefetch_s']:.1f} ms on the host (reading rows "
+          f"{1e3 * h['read_s']:.1f}, waiting for write-backs "
+          f"{1e3 * h['write_back_wait_s']:.1f}), of which "
           f"{1e3 * h['overlap_s']:.1f} ms while the previous step ran: "
           f"{h['overlapped_steps']} of {_STEPS.value - 1} steps); hit rate "
           f"{h['hit_rate']:.3f} of distinct rows, {h['id_hit_rate']:.3f} of "

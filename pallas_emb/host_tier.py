@@ -79,7 +79,9 @@ class CacheStats(NamedTuple):
   rows that left the cache; written_back: evicted rows that had changed,
   copied back to host memory; bytes_to_device / bytes_to_host: what
   crossed the host link (every device's share, padding included);
-  seconds: host time of the prefetch.
+  seconds: host time of the prefetch, of which read_seconds went to
+  gathering the fetched rows from host memory and wait_seconds to waiting
+  for evicted rows still on their way there (`write_back`).
   """
   rows: int
   hits: int
@@ -91,6 +93,8 @@ class CacheStats(NamedTuple):
   bytes_to_device: int
   bytes_to_host: int
   seconds: float
+  read_seconds: float = 0.0
+  wait_seconds: float = 0.0
 
   @property
   def hit_rate(self) -> float:
@@ -283,7 +287,7 @@ class HostStack:
     before it kept (their slots are still to be read or updated). A batch
     that is not trained (`train=False`) marks no row changed and does not
     count as in flight."""
-    start = time.perf_counter()
+    start, waited = time.perf_counter(), self.write_backs.waited
     self.write_backs.reap()
     parts = self.split(rows)
     recent = list(self.recent)[len(self.recent) - in_flight:] if (
@@ -319,12 +323,15 @@ class HostStack:
                  evicted=sum(a.evict_rows.size for a in admitted),
                  written_back=sum(int(a.dirty.sum()) for a in admitted))
     moved = stats["fetched"] or stats["evicted"]
-    to_device = to_host = 0
+    to_device = to_host = read_s = 0
     if moved:
-      state, to_device, to_host = self._dispatch_swap(state, admitted)
+      state, to_device, to_host, read_s = self._dispatch_swap(state,
+                                                              admitted)
     return state, CacheStats(**stats, bytes_to_device=to_device,
                              bytes_to_host=to_host,
-                             seconds=time.perf_counter() - start)
+                             seconds=time.perf_counter() - start,
+                             read_seconds=read_s,
+                             wait_seconds=self.write_backs.waited - waited)
 
   def _dispatch_swap(self, state: StackState, admitted):
     slots_per_part = self.stack.local_rows
@@ -336,11 +343,12 @@ class HostStack:
     self.write_backs.wait_for([a.fetch_rows for a in admitted])
     write_slots = _padded([a.fetch_slots for a in admitted], n,
                           slots_per_part, np.int32)
-    values = []
+    values, read_s = [], time.perf_counter()
     for i, array in enumerate(self._host_arrays()):
       host = _gathered([self._part(array, r) for r in range(self.parts)],
                        [a.fetch_rows for a in admitted], n)
       values.append(host.view(self._storage) if i == 0 else host)
+    read_s = time.perf_counter() - read_s
     map_rows = np.concatenate(
         [self._global_rows(a.evict_rows, r) for r, a in enumerate(admitted)]
         + [self._global_rows(a.fetch_rows, r) for r, a in enumerate(admitted)])
@@ -375,7 +383,8 @@ class HostStack:
     arrays, cache_map = self._write(arrays, state.cache_map, index[0],
                                     values, index[1], index[2])
     to_device = sum(_transferred(x) for x in values + index)
-    return self._with_arrays(state, arrays, cache_map), to_device, to_host
+    return (self._with_arrays(state, arrays, cache_map), to_device, to_host,
+            read_s)
 
   def _to_host_memory(self, rows, n: int, read) -> None:
     """Rows read from the cache (`read`: per array, `n` rows per part)

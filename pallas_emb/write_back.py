@@ -16,6 +16,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import functools
+import time
 from typing import Callable, Sequence
 
 import numpy as np
@@ -45,6 +46,7 @@ class WriteBacks:
     self._part_rows = tuple(part_rows)
     self._pending = collections.deque()  # futures, oldest first
     self._leaving = None  # per part: a mask of the rows on their way
+    self.waited = 0.0  # seconds spent waiting for groups to land, in all
 
   def start(self, rows, *args) -> None:
     """Sends a group (`rows`: each part's local rows) on its way."""
@@ -54,7 +56,7 @@ class WriteBacks:
       leaving[local] = True
     self._pending.append(_thread().submit(self._land, rows, *args))
     while len(self._pending) > MAX_PENDING_WRITE_BACKS:
-      self._pending.popleft().result()
+      self._wait_oldest()
 
   def _land(self, rows, *args) -> None:
     """On the write-back thread: one group into host memory."""
@@ -81,4 +83,11 @@ class WriteBacks:
   def finish(self) -> None:
     """Waits until every group on its way is in host memory."""
     while self._pending:
+      self._wait_oldest()
+
+  def _wait_oldest(self) -> None:
+    start = time.perf_counter()
+    try:
       self._pending.popleft().result()
+    finally:
+      self.waited += time.perf_counter() - start

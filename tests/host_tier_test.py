@@ -408,6 +408,9 @@ class HostTierTest(parameterized.TestCase):
       hstate, stats = host.prefetch(hstate, batch)
       stats = stats["t"]
       self.assertEqual(stats.fetched, stats.rows - stats.hits)
+      self.assertGreater(stats.read_seconds, 0.0)  # some rows were fetched
+      self.assertLessEqual(stats.read_seconds + stats.wait_seconds,
+                           stats.seconds)
       if step:
         self.assertGreater(stats.evicted, 0, f"step {step}")
       written += stats.written_back
@@ -555,8 +558,12 @@ class HostTierTest(parameterized.TestCase):
     hstate, dstate = same_start(host, device)
     # Two batches in turn: each evicts rows the other reads next.
     pair = [b for b, _ in batches(host, 2, seed=3)]
+    waited = []
     for step, batch in enumerate(pair * 3):
-      hstate, _ = host.prefetch(hstate, batch)
+      hstate, stats = host.prefetch(hstate, batch)
+      waited.append(stats["t"].wait_seconds)
+      self.assertLessEqual(stats["t"].read_seconds + waited[-1],
+                           stats["t"].seconds)
       # (Not `table_arrays` between steps: it flushes, waiting for all.)
       demb = device.lookup(dstate, batch)
       for name, got in host.lookup(hstate, batch).items():
@@ -566,6 +573,8 @@ class HostTierTest(parameterized.TestCase):
       hstate, _ = host.apply_gradients(hstate, batch, grads)
       dstate, _ = device.apply_gradients(dstate, batch, grads)
     self.assertIn(True, waits)  # some fetch met a row on its way
+    self.assertGreater(max(waited), 0.0)  # and the stats say how long
+    self.assertEqual(waited[0], 0.0)  # nothing was on its way yet
     self.check_equal(host, device, hstate, dstate, "end")
 
   def test_against_the_numpy_model(self):
@@ -912,6 +921,23 @@ class BenchTest(absltest.TestCase):
         self.assertGreaterEqual(r["written_bytes"], 0)
         self.assertGreater(r["fill_s"], 0)
       self.assertIn("filled under MADV_RANDOM", stdout)
+      self.assertEqual(os.listdir(tmp), ["out.json"])
+
+  def test_rows_bench_runs_small(self):
+    """`bench.host_rows`: both kinds' fills, reads and writes timed, and
+    no file left behind."""
+    with tempfile.TemporaryDirectory() as tmp:
+      doc, stdout = test_util.run_program(
+          "bench.host_rows", ["--rows=4096", "--misses=100", "--repeats=2",
+                              f"--dir={tmp}"], tmp)
+      self.assertEqual([r["kind"] for r in doc["results"]],
+                       ["memory", "file"])
+      for r in doc["results"]:
+        self.assertLen(r["read_ms"], 2)
+        self.assertLen(r["write_ms"], 2)
+        self.assertEqual(r["read_later_ms"], r["read_ms"][1])
+        self.assertGreater(r["fill_s"], 0)
+      self.assertIn("file: [4096, 64] f32 filled in", stdout)
       self.assertEqual(os.listdir(tmp), ["out.json"])
 
   def test_bench_runs_small(self):
