@@ -48,6 +48,7 @@ copy), its initializer a constant (the values do not change the time).
 from __future__ import annotations
 
 import json
+import os
 import queue
 import statistics
 import tempfile
@@ -360,7 +361,10 @@ def main(argv):
          "cache_rows": _CACHE.value, "policy": _POLICY.value,
          "zipf": _ZIPF.value, "steps": _STEPS.value,
          "compare_device_rows": _DEVICE_ROWS.value,
-         "host_dir": _HOST_DIR.value, "settings": _SET.value, "results": []}
+         "host_dir": _HOST_DIR.value, "settings": _SET.value,
+         # The TPU runtime's transfer buffer in host memory, if set.
+         "tpu_premapped_buffer_size": os.environ.get(
+             "TPU_PREMAPPED_BUFFER_SIZE"), "results": []}
   doc["link"] = _link(jax, np, _LINK_MB.value)
   print(f"{device.platform} {device.device_kind}: host -> device "
         f"{doc['link']['to_device_gbps']:.2f} GB/s, device -> host "

@@ -343,12 +343,12 @@ class HostStack:
     self.write_backs.wait_for([a.fetch_rows for a in admitted])
     write_slots = _padded([a.fetch_slots for a in admitted], n,
                           slots_per_part, np.int32)
-    values, read_s = [], time.perf_counter()
+    values, reading = [], time.perf_counter()
     for i, array in enumerate(self._host_arrays()):
       host = _gathered([self._part(array, r) for r in range(self.parts)],
                        [a.fetch_rows for a in admitted], n)
       values.append(host.view(self._storage) if i == 0 else host)
-    read_s = time.perf_counter() - read_s
+    read_s = time.perf_counter() - reading
     map_rows = np.concatenate(
         [self._global_rows(a.evict_rows, r) for r, a in enumerate(admitted)]
         + [self._global_rows(a.fetch_rows, r) for r, a in enumerate(admitted)])
