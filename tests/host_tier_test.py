@@ -15,7 +15,10 @@ checks the host tier against the model directly. The cache directory
 
 import gc
 import os
+import json
 import shutil
+import subprocess
+import sys
 import tempfile
 import time
 import types
@@ -939,6 +942,32 @@ class BenchTest(absltest.TestCase):
         self.assertGreater(r["fill_s"], 0)
       self.assertIn("file: [4096, 64] f32 filled in", stdout)
       self.assertEqual(os.listdir(tmp), ["out.json"])
+
+  def test_check_script_runs_small(self):
+    """`SMOKE=1 bash bench/host_tier_check.sh`: the host's facts, both
+    benches' results in its logs, and its files removed."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with tempfile.TemporaryDirectory() as tmp:
+      log = os.path.join(tmp, "log")
+      done = subprocess.run(
+          ["bash", os.path.join(root, "bench", "host_tier_check.sh")],
+          env=dict(os.environ, SMOKE="1", LOG=log, DIR=tmp,
+                   PYTHON=sys.executable),
+          capture_output=True, text=True, timeout=300, check=False)
+      self.assertEqual(done.returncode, 0, done.stderr[-2000:])
+      self.assertIn("cores: ", done.stdout)
+      self.assertIn("host_tier_check: done", done.stdout)
+      with open(os.path.join(log, "host_rows.json")) as f:
+        self.assertEqual([r["kind"] for r in json.load(f)["results"]],
+                         ["memory", "file"])
+      with open(os.path.join(log, "host_tier.json")) as f:
+        doc = json.load(f)
+      self.assertEqual(doc["host_dir"],
+                       os.path.join(tmp, "host_tier_check_files"))
+      (record,) = doc["results"]
+      self.assertEqual(record["bag"], 4)
+      self.assertIn("host_over_device", record)
+      self.assertEqual(sorted(os.listdir(tmp)), ["log"])
 
   def test_bench_runs_small(self):
     """`python -m bench.host_tier` at tiny sizes: every figure it reports."""
