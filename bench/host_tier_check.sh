@@ -5,6 +5,7 @@
 #   bash bench/host_tier_check.sh                 # 100M x 64 f32 rows
 #   ROWS=50000000 FILES=0 bash bench/host_tier_check.sh  # in memory
 #   SMOKE=1 bash bench/host_tier_check.sh         # on a CPU: the same, tiny
+#   MOVES=20000000 bash ...    # bench.host_rows on a smaller table (faster)
 #
 # 1. prints what the host is: its memory, cores and kernel, and the file
 #    system of DIR (default: the current directory), with a warning where
@@ -36,12 +37,12 @@ if [ "${SMOKE:-0}" = 1 ]; then
   rows=(--rows=20000)
   tier=(--cache_rows=2048 --ids=64 --bag="${BAG:-4}" --steps=2 --warmup=2
         --compare_device_rows=2000 --link_mb=1 --report_s=0.01)
-  row_flags=(--misses=100 --repeats=2)
+  row_flags=(--rows=20000 --misses=100 --repeats=2)
 else
   rows=(--rows="${ROWS:-100000000}")
+  row_flags=(--rows="${MOVES:-${ROWS:-100000000}}")
   tier=(--cache_rows="${CACHE:-8388608}" --bag="${BAG:-20}" --steps=20
         --compare_device_rows=10000000 --link_mb=16)
-  row_flags=()
   if [ "${BAG:-20}" = 0 ]; then tier+=(--warmup=3000); else tier+=(--warmup=200); fi
 fi
 
@@ -56,8 +57,8 @@ mkdir -p "$DIR/host_tier_check_files" || exit 1
 [ "${FILES:-1}" = 1 ] && files=(--host_dir="$DIR/host_tier_check_files")
 
 echo "host_tier_check: rows moved on the host"
-timeout $((BUDGET - SECONDS)) "$PYTHON" -m bench.host_rows "${rows[@]}" \
-  "${row_flags[@]}" --dir="$DIR" --json_out="$LOG/host_rows.json" 2>&1 \
+timeout $((BUDGET - SECONDS)) "$PYTHON" -m bench.host_rows "${row_flags[@]}" \
+  --dir="$DIR" --json_out="$LOG/host_rows.json" 2>&1 \
   | tee "$LOG/host_rows.txt"
 
 echo "host_tier_check: the host tier's steps"
