@@ -11,7 +11,12 @@ host memory and a cache of `--cache_rows` rows on the chip, trained by the
 pipelined Trainer on Zipf(`--zipf`) ids as `--ids` bags of `--bag` ids
 and as `--ids` sequence ids (`--bag=20,0`, one configuration each):
 
-    python -m bench.host_tier --json_out=host_tier_v5e.json
+    TPU_PREMAPPED_BUFFER_SIZE=1073741824 python -m bench.host_tier \
+        --json_out=host_tier_v5e.json
+
+(the TPU runtime's default transfer buffer leaves too little host memory
+for the 100M rows beside it on that VM; `bench/host_tier_check.sh` sets
+the smaller one).
 
 Per configuration it prints and records:
 

@@ -3,9 +3,14 @@
 # in one run of under 10 minutes (BUDGET seconds, default 570), no network:
 #
 #   bash bench/host_tier_check.sh                 # 100M x 64 f32 rows
-#   ROWS=50000000 FILES=0 bash bench/host_tier_check.sh  # in memory
+#   FILES=1 bash bench/host_tier_check.sh         # in files in DIR
 #   SMOKE=1 bash bench/host_tier_check.sh         # on a CPU: the same, tiny
 #   MOVES=20000000 bash ...    # bench.host_rows on a smaller table (faster)
+#   PROFILE=10 bash ...        # then 10 steps traced: device ms by program/op
+#
+# On a TPU VM the runtime's transfer buffer is set to 1 GiB unless
+# TPU_PREMAPPED_BUFFER_SIZE is set (its default leaves too little host
+# memory for 100M rows beside it; docs/host_tier.md).
 #
 # 1. prints what the host is: its memory, cores and kernel, and the file
 #    system of DIR (default: the current directory), with a warning where
@@ -15,8 +20,8 @@
 #    read, then written back) costs on this host, in memory and in a file
 #    in DIR, first touch and later;
 # 3. `bench.host_tier` at ROWS rows, 16,384 bags of 20 (BAG=0: sequence
-#    ids) with a cache of CACHE rows (default 8M), in files in DIR unless
-#    FILES=0, beside a 10M-row device table; it prints its pace every 30 s
+#    ids) with a cache of CACHE rows (default 8M), in host memory (FILES=1:
+#    in files in DIR), beside a 10M-row device table; it prints its pace every 30 s
 #    and is stopped when the budget runs out, so a slow host still reports.
 #
 # Dependencies as `bench/tpu_check.sh` installs them (its .tpu_check_site
@@ -32,6 +37,7 @@ DIR="${DIR:-$PWD}"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 [ -d .tpu_check_site ] && export PYTHONPATH="$PYTHONPATH:$PWD/.tpu_check_site"
 export PYTHONUNBUFFERED=1
+export TPU_PREMAPPED_BUFFER_SIZE="${TPU_PREMAPPED_BUFFER_SIZE-1073741824}"
 
 if [ "${SMOKE:-0}" = 1 ]; then
   rows=(--rows=20000)
@@ -45,6 +51,7 @@ else
         --compare_device_rows=10000000 --link_mb=16)
   if [ "${BAG:-20}" = 0 ]; then tier+=(--warmup=3000); else tier+=(--warmup=200); fi
 fi
+[ -n "${PROFILE:-}" ] && tier+=(--profile_steps="$PROFILE")
 
 echo "host_tier_check: the host"
 grep -E "^(MemTotal|MemAvailable):" /proc/meminfo 2>/dev/null
@@ -54,7 +61,7 @@ df -hT "$DIR" 2>/dev/null | tail -1
   "an ordinary Linux page cache; files may be held in memory"
 files=()
 mkdir -p "$DIR/host_tier_check_files" || exit 1
-[ "${FILES:-1}" = 1 ] && files=(--host_dir="$DIR/host_tier_check_files")
+[ "${FILES:-0}" = 1 ] && files=(--host_dir="$DIR/host_tier_check_files")
 
 echo "host_tier_check: rows moved on the host"
 timeout $((BUDGET - SECONDS)) "$PYTHON" -m bench.host_rows "${row_flags[@]}" \

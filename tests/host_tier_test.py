@@ -944,15 +944,16 @@ class BenchTest(absltest.TestCase):
       self.assertEqual(os.listdir(tmp), ["out.json"])
 
   def test_check_script_runs_small(self):
-    """`SMOKE=1 bash bench/host_tier_check.sh`: the host's facts, both
-    benches' results in its logs, and its files removed."""
+    """`SMOKE=1 FILES=1 PROFILE=2 bash bench/host_tier_check.sh`: the
+    host's facts, both benches' results in its logs (the TPU runtime's
+    transfer buffer set, the steps profiled), and its files removed."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     with tempfile.TemporaryDirectory() as tmp:
       log = os.path.join(tmp, "log")
       done = subprocess.run(
           ["bash", os.path.join(root, "bench", "host_tier_check.sh")],
-          env=dict(os.environ, SMOKE="1", LOG=log, DIR=tmp,
-                   PYTHON=sys.executable),
+          env=dict(os.environ, SMOKE="1", FILES="1", PROFILE="2", LOG=log,
+                   DIR=tmp, PYTHON=sys.executable),
           capture_output=True, text=True, timeout=300, check=False)
       self.assertEqual(done.returncode, 0, done.stderr[-2000:])
       self.assertIn("cores: ", done.stdout)
@@ -964,7 +965,11 @@ class BenchTest(absltest.TestCase):
         doc = json.load(f)
       self.assertEqual(doc["host_dir"],
                        os.path.join(tmp, "host_tier_check_files"))
+      self.assertEqual(doc["tpu_premapped_buffer_size"],
+                       os.environ.get("TPU_PREMAPPED_BUFFER_SIZE",
+                                      "1073741824"))
       (record,) = doc["results"]
+      self.assertIn("device_ms_per_step", record["host"])
       self.assertEqual(record["bag"], 4)
       self.assertIn("host_over_device", record)
       self.assertEqual(sorted(os.listdir(tmp)), ["log"])
