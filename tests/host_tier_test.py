@@ -972,6 +972,10 @@ class BenchTest(absltest.TestCase):
       self.assertIn("device_ms_per_step", record["host"])
       self.assertEqual(record["bag"], 4)
       self.assertIn("host_over_device", record)
+      self.assertAlmostEqual(
+          record["host_over_device_mean"],
+          record["host"]["mean_step_s_without_compiles"]
+          / record["device"]["mean_step_s_without_compiles"])
       self.assertEqual(sorted(os.listdir(tmp)), ["log"])
 
   def test_bench_runs_small(self):
