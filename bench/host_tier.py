@@ -155,9 +155,11 @@ def _memory(stage: str, into: dict, since: float) -> None:
   gb = lambda key: int(fields.get(key, "0 kB").split()[0]) / 2**20
   into[stage] = {"rss_gb": gb("VmRSS"), "peak_gb": gb("VmHWM"),
                  "seconds": seconds}
+  # A sandboxed kernel may not report the peak (VmHWM): then it is left out.
+  peak = (f", {into[stage]['peak_gb']:.2f} GB peak"
+          if into[stage]["peak_gb"] else "")
   print(f"    host memory after {stage}, {seconds:.1f} s in: "
-        f"{into[stage]['rss_gb']:.2f} GB resident, "
-        f"{into[stage]['peak_gb']:.2f} GB peak", flush=True)
+        f"{into[stage]['rss_gb']:.2f} GB resident{peak}", flush=True)
 
 
 _COMPILING = {"seconds": 0.0, "programs": 0}
