@@ -190,16 +190,37 @@ class EmbeddingCollection:
   def _map_specs(self):
     return tuple(P() if s.slot_map else None for s in self.plan.stacks)
 
-  def _cache_map_specs(self):
-    return tuple(P() if s.host else None for s in self.plan.stacks)
+  def _cache_map_specs(self, cache_maps):
+    """The specs of `_cache_maps`' values: the map replicated, the
+    entries over the token axes."""
+    tokens = self._token_spec()
+    return tuple(None if c is None else (
+        P(), None if c[1] is None else {f: (tokens, tokens) for f in c[1]})
+                 for c in cache_maps)
 
-  def _cache_maps(self, state: CollectionState | None):
-    """Per stack: a host-tier stack's cache map, placed; None otherwise."""
+  def _cache_maps(self, state: CollectionState | None, inputs):
+    """Per stack: a host-tier stack's `(cache map, entries)`, placed (the
+    entries of its last prefetch, where they are as many as `inputs`' ids
+    of each feature; else None, and the step translates through the
+    map); None for a device stack."""
     if state is None:
       return (None,) * len(self.plan.stacks)
-    return exchange.place_state(
+    self._check_state(state)
+    maps = exchange.place_state(
         tuple(state.stacks[s.name].cache_map for s in self.plan.stacks),
-        self._cache_map_specs(), self.mesh, "state cache map")
+        tuple(P() if s.host else None for s in self.plan.stacks), self.mesh,
+        "state cache map")
+    out = []
+    for s, cache_map in zip(self.plan.stacks, maps):
+      entries = state.stacks[s.name].cache_entries if s.host else None
+      if entries is not None and (set(entries) != set(s.features) or any(
+          entries[f][0].size != inputs.ids[f].size for f in s.features)):
+        entries = None  # another batch's shape: the map translates
+      if entries is not None:
+        entries = {f: tuple(exchange.place(x, self.token_sharding())
+                            for x in e) for f, e in entries.items()}
+      out.append(None if cache_map is None else (cache_map, entries))
+    return tuple(out)
 
   # --- state ----------------------------------------------------------------
 
@@ -455,7 +476,8 @@ class EmbeddingCollection:
     self._check_state(state)
     specs = self._state_specs()
     return exchange.place_state(
-        tuple(state.stacks[s.name] for s in self.plan.stacks),
+        tuple(state.stacks[s.name]._replace(cache_entries=None)
+              for s in self.plan.stacks),
         tuple(specs.stacks[s.name] for s in self.plan.stacks), self.mesh,
         "state")
 
@@ -495,7 +517,7 @@ class EmbeddingCollection:
     outs = per_rank.collection_lookup(
         self, layouts, self._table_specs(), self._tables(state),
         self._placed(inputs.ids),
-        self._placed_weights(inputs.weights), self._cache_maps(state))
+        self._placed_weights(inputs.weights), self._cache_maps(state, inputs))
     return dict(zip(self.features, outs))
 
   def _check_cached(self, state, batch, inputs, what: str) -> None:
@@ -556,16 +578,16 @@ class EmbeddingCollection:
     fn = functools.partial(per_rank.lookup_per_rank, self.backend,
                            self.kernel_config, self._order(), layouts,
                            route=True)
+    cache_maps = self._cache_maps(state, inputs)
     outs, routings = exchange.shard(
         layouts[0].ctx, fn,
         in_specs=(self._table_specs(), self._feature_specs(),
-                  self._pooled_specs(), self._cache_map_specs(),
+                  self._pooled_specs(), self._cache_map_specs(cache_maps),
                   self._map_specs()),
         out_specs=(self._feature_specs(),
                    self._routing_specs(self._routes_by_slot(layouts))),
     )(self._tables(state), self._placed(inputs.ids),
-      self._placed_weights(inputs.weights), self._cache_maps(state),
-      self._maps(state))
+      self._placed_weights(inputs.weights), cache_maps, self._maps(state))
     return dict(zip(self.features, outs)), self._routing(routings, inputs)
 
   def route(self, batch, state: CollectionState | None = None) -> Routing:
@@ -580,13 +602,14 @@ class EmbeddingCollection:
           f"{list(self.host_tables)} route through their caches.")
     self._check_cached(state, batch, inputs, "route")
     fn = functools.partial(per_rank.route_per_rank, self._order(), layouts)
+    cache_maps = self._cache_maps(state, inputs)
     routings = exchange.shard(
         layouts[0].ctx, fn,
         in_specs=(self._feature_specs(), self._pooled_specs(),
-                  self._map_specs(), self._cache_map_specs()),
+                  self._map_specs(), self._cache_map_specs(cache_maps)),
         out_specs=self._routing_specs())(
             self._placed(inputs.ids), self._placed_weights(inputs.weights),
-            self._maps(state), self._cache_maps(state))
+            self._maps(state), cache_maps)
     return self._routing(routings, inputs)
 
   def _routing(self, routings, inputs: inputs_lib.BatchInputs) -> Routing:
@@ -682,7 +705,8 @@ class EmbeddingCollection:
     )(stack_states, routings, self._placed(grads),
       jnp.asarray(pending, bool))
     names = [s.name for s in self.plan.stacks]
-    new_states = [s._replace(slot_map=m, cache_map=state.stacks[n].cache_map)
+    new_states = [s._replace(slot_map=m, cache_map=state.stacks[n].cache_map,
+                             cache_entries=state.stacks[n].cache_entries)
                   for s, m, n in zip(new_states, maps, names)]
     return (CollectionState(dict(zip(names, new_states)),
                             self.plan.fingerprint, state.host),

@@ -40,12 +40,14 @@ def _host_ids(ids, what: str) -> np.ndarray:
     return np.asarray(validation.as_ids(ids, what))
 
 
-def batch_rows(coll, batch) -> dict[str, tuple[np.ndarray, ...]]:
-  """Host-side: per host-tier stack, `(rows, counts, trains)`: the distinct
-  logical rows its features' ids read (`stack.entry_keys`' rule: wrap once,
-  clamp), the ids reading each, and whether some id trains it (inside its
-  table, not padding; weights are not read, so a row of weight-0 entries
-  counts as trained: at worst it is copied back unchanged)."""
+def batch_rows(coll, batch) -> dict[str, tuple]:
+  """Host-side: per host-tier stack, `(rows, counts, trains, keys)`: the
+  distinct logical rows its features' ids read (`stack.entry_keys`' rule:
+  wrap once, clamp), the ids reading each, whether some id trains it
+  (inside its table, not padding; weights are not read, so a row of
+  weight-0 entries counts as trained: at worst it is copied back
+  unchanged), and `{feature: the row of each of its ids}` (int32, flat:
+  `host_keys`' row)."""
   inputs_lib.check_per_feature(coll.features, batch, "batch", "ids",
                                "Give every feature's ids.")
   out = {}
@@ -53,13 +55,13 @@ def batch_rows(coll, batch) -> dict[str, tuple[np.ndarray, ...]]:
     if not stack.host:
       continue
     spec = coll.tables[stack.tables[0]]
-    keys = []
+    by_feature = {}
     for name in stack.features:
       value = batch[name]
       ids = _host_ids(value.ids if isinstance(value, Bag) else value,
                       f"batch[{name!r}]")
-      keys.append(host_keys(ids, spec.vocab_rows, spec.padding_id))
-    keys = np.concatenate(keys)
+      by_feature[name] = host_keys(ids, spec.vocab_rows, spec.padding_id)
+    keys = np.concatenate(list(by_feature.values()))
     # One sort of (row, does not train): a row's first entry says whether
     # any of its ids trains (a numpy `searchsorted` of every id into the
     # distinct rows costs 20x more). Rows are below 2**31, so the pairs fit
@@ -69,7 +71,10 @@ def batch_rows(coll, batch) -> dict[str, tuple[np.ndarray, ...]]:
     starts = np.flatnonzero(np.concatenate(
         [[True], (order[1:] >> 1) != (order[:-1] >> 1)]))
     first = order[starts]
+    # Each feature's entries' rows, as int32 views (rows are below 2**31).
+    ends = np.cumsum([k.size for k in by_feature.values()])[:-1]
+    entry_rows = dict(zip(by_feature, np.split(rows.view(np.int32), ends)))
     out[stack.name] = ((first >> 1).astype(np.int64),
                        np.diff(np.append(starts, order.size)),
-                       (first & 1) == 0)
+                       (first & 1) == 0, entry_rows)
   return out

@@ -39,12 +39,18 @@ class StackState(NamedTuple):
   optimizer's, as for any stack), and `cache_map` the int32 `[logical
   rows]` map from each row of the table to its cache row (-1: not in the
   cache), on every rank; None for a device stack. `host_tier.py` keeps
-  the table's rows and state in host memory.
+  the table's rows and state in host memory. `cache_entries`: the last
+  prefetched batch's entries translated on the host, `{feature: (cache
+  row, logical row)}` for each feature of the stack, flat int32 arrays
+  over the token axes (`host_tier.HostStack.entries`), which spare the step the
+  map's gather of every entry; None before a prefetch and for a device
+  stack.
   """
   table: jax.Array
   opt_state: Any
   slot_map: jax.Array | None = None
   cache_map: jax.Array | None = None
+  cache_entries: dict | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -209,8 +215,9 @@ def route_maps(plan, state: CollectionState | None) -> tuple:
 
 def without_slot_maps(parts) -> tuple:
   """Stack states or routings (or their specs) without their slot maps (and
-  a stack state without its cache map)."""
-  return tuple(p._replace(**{f: None for f in ("slot_map", "cache_map")
+  a stack state without its cache map and entries)."""
+  return tuple(p._replace(**{f: None for f in ("slot_map", "cache_map",
+                                               "cache_entries")
                              if hasattr(p, f)})
                if hasattr(p, "slot_map") else p for p in parts)
 

@@ -274,13 +274,18 @@ class HostKeysTest(absltest.TestCase):
                  rng.integers(vocab - 3, vocab, (B, 2)),
                  rng.integers(-2, 3, (B, 2))], 1).astype(np.int32),
                          np.ones((B, BAG), np.float32))}
-      ((name, (rows, counts, trains)),) = host_batches.batch_rows(
-          coll, ids).items()
+      ((name, (rows, counts, trains, entry_rows)),) = (
+          host_batches.batch_rows(coll, ids).items())
       self.assertEqual(name, coll.plan.stacks[0].name)
       keys = np.concatenate([
           host_batches.host_keys(ids["a"], vocab, padding),
           host_batches.host_keys(ids["b"].ids, vocab, padding)])
       row = np.where(keys < 0, ~keys, keys)
+      self.assertEqual(list(entry_rows), ["a", "b"])
+      self.assertEqual(entry_rows["a"].dtype, np.int32)
+      np.testing.assert_array_equal(
+          np.concatenate([entry_rows["a"], entry_rows["b"]]), row)
+      self.assertEqual(entry_rows["a"].size, ids["a"].size)
       want, inverse, want_counts = np.unique(row, return_inverse=True,
                                              return_counts=True)
       want_trains = np.zeros(want.size, bool)
@@ -369,6 +374,14 @@ class PlannerTest(absltest.TestCase):
 
 
 class HostTierTest(parameterized.TestCase):
+
+  def setUp(self):
+    super().setUp()
+    # Every batch here is small: translate its entries on the host, as a
+    # large batch is (test_against_the_numpy_model also runs the map's).
+    patch = mock.patch.object(host_tier, "HOST_ENTRIES_MIN", 0)
+    patch.start()
+    self.addCleanup(patch.stop)
 
   def check_equal(self, host, device, hstate, dstate, msg):
     test_util.assert_bits_equal(self, host.table_arrays(hstate)["t"],
@@ -580,7 +593,11 @@ class HostTierTest(parameterized.TestCase):
     self.assertEqual(waited[0], 0.0)  # nothing was on its way yet
     self.check_equal(host, device, hstate, dstate, "end")
 
-  def test_against_the_numpy_model(self):
+  @parameterized.parameters(0, 10**9)
+  def test_against_the_numpy_model(self, entries_min):
+    """With the entries translated on the host (0) and by the device's
+    cache map (a batch under `HOST_ENTRIES_MIN`)."""
+    host_tier.HOST_ENTRIES_MIN = entries_min  # setUp's patch restores it
     host, _ = collections("column", "lfu", pe.RowwiseAdagrad(0.1),
                           cache_rows=30)
     state = test_util.random_state(host, 3)
@@ -588,6 +605,8 @@ class HostTierTest(parameterized.TestCase):
         "t": np.array(host.table_arrays(state)["t"])})
     for step, (batch, raw) in enumerate(batches(host, 3, seed=5)):
       state, stats = host.prefetch(state, batch)
+      self.assertEqual(state.stacks["stack0"].cache_entries is None,
+                       entries_min > 0)
       if step:
         self.assertGreater(stats["t"].evicted, 0)
       embs = host.lookup(state, batch)
@@ -846,6 +865,45 @@ class HostTierTest(parameterized.TestCase):
         x.nbytes for x in jax.tree.leaves(host.table_arrays(state))) + sum(
             x.nbytes for x in jax.tree.leaves(host.optimizer_arrays(state))
             if isinstance(x, np.ndarray)))
+
+  @parameterized.parameters("column", "row")
+  def test_the_prefetch_translates_the_entries_on_the_host(self, placement):
+    """The prefetch gives each entry its cache row (the numpy model: the
+    cache map, read back, at the entry's row), so the lookup reads no map
+    (one of -1 changes nothing); a batch of the same shape other than the
+    last prefetched goes through the map, with the same result."""
+    # Two batches read at most 88 rows: the cache holds both.
+    host, _ = collections(placement, cache_rows=100, vocab=200)
+    state = test_util.random_state(host)
+    (first, _), (second, _) = batches(host, 2)
+    state, _ = host.prefetch(state, first)
+    stack = state.stacks["stack0"]
+    cache_map = np.array(stack.cache_map)
+    for name, value in first.items():
+      ids = value.ids if isinstance(value, pe.Bag) else value
+      keys = host_batches.host_keys(ids, 200, 0)
+      rows = np.where(keys < 0, ~keys, keys)
+      cache, got_rows = (np.asarray(x) for x in stack.cache_entries[name])
+      np.testing.assert_array_equal(got_rows, rows)
+      np.testing.assert_array_equal(cache, cache_map[rows])
+      self.assertTrue((cache >= 0).all())
+    want = host.lookup(state, first)
+    blind = pe.CollectionState(
+        {"stack0": stack._replace(cache_map=jnp.full_like(stack.cache_map,
+                                                          -1))},
+        state.fingerprint, state.host)
+    got = [host.lookup(blind, first)]
+    # The next prefetch donates the cache: `blind` shares it, so it is done.
+    state, _ = host.prefetch(state, second)
+    got += [host.lookup(state, first), jax.jit(host.lookup)(state, first)]
+    for embs in got:
+      for name, emb in embs.items():
+        np.testing.assert_array_equal(emb, want[name], name)
+    # The map's gather only runs where an entry is not the host's: a
+    # branch, which lowers for a TPU.
+    lowered = jax.jit(host.lookup_and_route).trace(state, first).lower(
+        lowering_platforms=("tpu",)).as_text()
+    self.assertIn("stablehlo.case", lowered)
 
   def test_the_swap_writes_the_cache_in_place(self):
     """The prefetch's write program updates the donated cache arrays in
