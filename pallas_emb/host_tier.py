@@ -338,13 +338,13 @@ class HostStack:
                  written_back=sum(int(a.dirty.sum()) for a in admitted))
     moved = stats["fetched"] or stats["evicted"]
     to_device = to_host = read_s = 0
-    if moved:
-      state, to_device, to_host, read_s = self._dispatch_swap(state,
-                                                              admitted)
     entries = self.entries(entry_rows)
-    if entries is not None:
+    if moved:
+      state, entries, to_device, to_host, read_s = self._dispatch_swap(
+          state, admitted, entries)
+    elif entries is not None:
       entries = jax.device_put(entries, self._token_sharding)
-      to_device += sum(_transferred(x) for x in jax.tree.leaves(entries))
+    to_device += sum(_transferred(x) for x in jax.tree.leaves(entries))
     state = state._replace(cache_entries=entries)
     return state, CacheStats(**stats, bytes_to_device=to_device,
                              bytes_to_host=to_host,
@@ -379,7 +379,10 @@ class HostStack:
       out[name] = (cache, rows)
     return out
 
-  def _dispatch_swap(self, state: StackState, admitted):
+  def _dispatch_swap(self, state: StackState, admitted, entries):
+    """`(state, entries, bytes to the devices, to the host, read
+    seconds)`: the swap's programs dispatched, `entries` (or None) put on
+    the devices in the same call as the swap's inputs."""
     slots_per_part = self.stack.local_rows
     dirty = [(a.evict_slots[a.dirty], a.evict_rows[a.dirty])
              for a in admitted]
@@ -414,8 +417,9 @@ class HostStack:
     # One call for every transfer of the swap: a call costs more than most
     # of these arrays' bytes.
     sharding = lambda specs: tuple(NamedSharding(self.mesh, s) for s in specs)
-    values, index = jax.device_put((tuple(values), tuple(index)),
-                                   (sharding(self._specs), sharding(specs)))
+    values, index, entries = jax.device_put(
+        (tuple(values), tuple(index), entries),
+        (sharding(self._specs), sharding(specs), self._token_sharding))
     arrays = self._device_arrays(state)
     to_host = 0
     if len(index) > 3:
@@ -429,8 +433,8 @@ class HostStack:
     arrays, cache_map = self._write(arrays, state.cache_map, index[0],
                                     values, index[1], index[2])
     to_device = sum(_transferred(x) for x in values + index)
-    return (self._with_arrays(state, arrays, cache_map), to_device, to_host,
-            read_s)
+    return (self._with_arrays(state, arrays, cache_map), entries, to_device,
+            to_host, read_s)
 
   def _to_host_memory(self, rows, n: int, read) -> None:
     """Rows read from the cache (`read`: per array, `n` rows per part)
