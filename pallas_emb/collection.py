@@ -37,6 +37,7 @@ from pallas_emb import exchange
 from pallas_emb import fitting
 from pallas_emb import host_batches
 from pallas_emb import host_memory
+from pallas_emb import host_state
 from pallas_emb import host_tier
 from pallas_emb import inputs as inputs_lib
 from pallas_emb import kernels
@@ -234,7 +235,7 @@ class EmbeddingCollection:
     """
     if self.host_tables:
       host_memory.check_host_memory(self, "coll.init")
-      return host_tier.collection_state(self, {
+      return host_state.collection_state(self, {
           s.name: StackState(self._stored(s, self.init_stack(key, s.name)),
                              self._fresh_opt_state(s), self._fresh_map(s))
           for s in self.plan.stacks if not s.host}, {
@@ -342,7 +343,7 @@ class EmbeddingCollection:
                                       self._fresh_map(stack))
     if self.host_tables:
       host = [s for s in self.plan.stacks if s.host]
-      return host_tier.collection_state(
+      return host_state.collection_state(
           self, stacks, {s.name: tables[s.tables[0]] for s in host},
           opt_states and {s.name: opt_states[s.tables[0]] for s in host},
           copy=copy)
@@ -356,7 +357,7 @@ class EmbeddingCollection:
     out = {}
     for stack in self.plan.stacks:
       if stack.host:  # read-only views of host memory
-        out[stack.tables[0]] = host_tier.logical_arrays(self, state,
+        out[stack.tables[0]] = host_state.logical_arrays(self, state,
                                                         stack)[0]
         continue
       table = placement_lib.as_logical(stack,
@@ -379,7 +380,7 @@ class EmbeddingCollection:
       if stack.optimizer is None:
         parts = [None] * len(stack.tables)
       elif stack.host:
-        parts = [host_tier.logical_arrays(self, state, stack)[1]]
+        parts = [host_state.logical_arrays(self, state, stack)[1]]
       elif stack.placement == "column":
         parts = [stack.optimizer.slice_rows(opt_state, start, start + rows)
                  for start, rows in zip(stack.row_offsets, stack.vocab_rows)]
@@ -415,7 +416,7 @@ class EmbeddingCollection:
               for s in self.plan.stacks if not s.host}
     state_lib.check_servable(self.plan, tables, name)
     return ServingState(
-        {s.name: host_tier.quantize(self, state, s, name) if s.host else
+        {s.name: host_state.quantize(self, state, s, name) if s.host else
          quantize_lib.quantize_rows(tables[s.name], name, check=False)
          for s in self.plan.stacks}, name, self.serving_plan.fingerprint,
         state_lib.serving_layouts(self.serving_plan))
