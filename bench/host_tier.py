@@ -26,7 +26,8 @@ Per configuration it prints and records:
               row swap is an outlier, and the mean, `mean_step_s`, keeps
               it; `mean_step_s_without_compiles` is the mean with the
               seconds JAX spent compiling taken out, so it keeps the
-              steps that move a group of evicted rows back), the step
+              steps that move a group of evicted rows back; `steps_ms`
+              each timed step's time between losses), the step
               time with each step waited for (no
               overlap of host work and device work), the host seconds of
               the prefetch per step, the cache hit rate (distinct rows and
@@ -204,6 +205,7 @@ def _run(pe, jax, jnp, np, optax, rows, bag, batches, host, steps, warmup,
   _memory("trainer.init", memory, began)
   step = trainer.step if host else jax.jit(trainer.step, donate_argnums=0)
   cache, t = [], 0
+  times_ms = []  # the last run's time between losses, per step
   calls, ready = [], []  # per step: when its call began; when its loss was
 
   def watch(losses):
@@ -241,6 +243,7 @@ def _run(pe, jax, jnp, np, optax, rows, bag, batches, host, steps, warmup,
     # the cache's row swap, `host_tier._bucket`) is one outlier, not a
     # share of every step.
     steps_s = [b - a for a, b in zip([start] + ready[:-1], ready)]
+    times_ms[:] = [round(1e3 * s, 2) for s in steps_s]
     return (statistics.median(steps_s) if steps_s else mean), mean
 
   run(warmup, False)
@@ -249,6 +252,7 @@ def _run(pe, jax, jnp, np, optax, rows, bag, batches, host, steps, warmup,
   out = {"memory_gb": memory}
   before = dict(_COMPILING)
   out["step_s"], out["mean_step_s"] = run(steps, False)
+  out["steps_ms"] = list(times_ms)
   out["compiled_programs"] = _COMPILING["programs"] - before["programs"]
   out["mean_step_s_without_compiles"] = out["mean_step_s"] - (
       _COMPILING["seconds"] - before["seconds"]) / max(steps, 1)

@@ -296,6 +296,23 @@ class HostKeysTest(absltest.TestCase):
       self.assertGreater(rows.max(), 2**31 - 4 if vocab > 60 else 0)
 
 
+class TransferSizeTest(absltest.TestCase):
+
+  def test_transfers_pad_to_the_least_quarter_octave(self):
+    # The model: every 2^k * j / 4 (j = 4..7) of at least the minimum.
+    classes = sorted({(1 << k) * j // 4 for k in range(2, 24)
+                      for j in range(4, 8)}
+                     | {host_tier.MIN_TRANSFER_ROWS})
+    classes = [c for c in classes if c >= host_tier.MIN_TRANSFER_ROWS]
+    rng = np.random.default_rng(0)
+    sizes = np.concatenate([np.arange(0, 300), rng.integers(300, 1 << 22,
+                                                            size=2000)])
+    for n in sizes:
+      want = classes[np.searchsorted(classes, n)]
+      self.assertEqual(host_tier._bucket(n), want, n)  # pylint: disable=protected-access
+      self.assertLessEqual(host_tier._bucket(n), max(8, 1.25 * n))  # pylint: disable=protected-access
+
+
 class SpecTest(absltest.TestCase):
 
   def test_bad_storage_specs_raise(self):
@@ -1058,6 +1075,10 @@ class BenchTest(absltest.TestCase):
                 "bytes_to_host_per_step", "fetched_per_step"):
       self.assertIn(key, host)
     self.assertBetween(host["hit_rate"], 0, 1)
+    for side in (host, record["device"]):
+      self.assertLen(side["steps_ms"], 2)
+      self.assertAlmostEqual(1e3 * side["step_s"],
+                             np.median(side["steps_ms"]), delta=0.01)
     # 2 steps of at most 256 distinct rows cannot fill 2,048 cache rows.
     self.assertTrue(host["filling"])
     self.assertIn("the cache was still filling", stdout)
