@@ -7,6 +7,8 @@
 #   SMOKE=1 bash bench/host_tier_check.sh         # on a CPU: the same, tiny
 #   MOVES=20000000 bash ...    # bench.host_rows on a smaller table (faster)
 #   PROFILE=10 bash ...        # then 10 steps traced: device ms by program/op
+#   STEPS=64 WARMUP=600 bash ...  # more timed / warm-up steps (20; 200,
+#                                 # or 3000 for sequence ids)
 #
 # On a TPU VM the runtime's transfer buffer is set to 1 GiB unless
 # TPU_PREMAPPED_BUFFER_SIZE is set (its default leaves too little host
@@ -47,9 +49,10 @@ if [ "${SMOKE:-0}" = 1 ]; then
 else
   rows=(--rows="${ROWS:-100000000}")
   row_flags=(--rows="${MOVES:-${ROWS:-100000000}}")
-  tier=(--cache_rows="${CACHE:-8388608}" --bag="${BAG:-20}" --steps=20
-        --compare_device_rows=10000000 --link_mb=16)
-  if [ "${BAG:-20}" = 0 ]; then tier+=(--warmup=3000); else tier+=(--warmup=200); fi
+  tier=(--cache_rows="${CACHE:-8388608}" --bag="${BAG:-20}"
+        --steps="${STEPS:-20}" --compare_device_rows=10000000 --link_mb=16)
+  if [ "${BAG:-20}" = 0 ]; then warmup=3000; else warmup=200; fi
+  tier+=(--warmup="${WARMUP:-$warmup}")
 fi
 [ -n "${PROFILE:-}" ] && tier+=(--profile_steps="$PROFILE")
 
