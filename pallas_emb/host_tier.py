@@ -64,6 +64,7 @@ from pallas_emb import host_memory
 from pallas_emb import placement as placement_lib
 from pallas_emb import write_back
 from pallas_emb.errors import InputError
+from pallas_emb.kernels.mosaic_tpu import row_write
 from pallas_emb.kernels.mosaic_tpu import stored as stored_lib
 from pallas_emb.row_cache import RowCache
 from pallas_emb.state import CollectionState
@@ -131,10 +132,14 @@ def read_rows(array: jax.Array, slots: jax.Array) -> jax.Array:
   return jnp.take(array, slots, axis=0)
 
 
-def write_rows(array: jax.Array, slots: jax.Array,
-               values: jax.Array) -> jax.Array:
-  """`array` with rows `slots` set to `values` (a slot past the shard's
-  rows is dropped: padding)."""
+def write_rows(array: jax.Array, slots: jax.Array, values: jax.Array, *,
+               by_dma: bool = False, interpret: bool = False) -> jax.Array:
+  """`array` with rows `slots` (unique) set to `values` (a slot past the
+  shard's rows is dropped: padding). `by_dma`: a stored array of the
+  Mosaic backend, written by its row-DMA kernel (`row_write.py`; XLA's
+  scatter took a v5e 63 ns a row of 512 B)."""
+  if by_dma and row_write.supported(array):
+    return row_write.write_rows(array, slots, values, interpret=interpret)
   return array.at[slots].set(values.astype(array.dtype), mode="drop")
 
 
@@ -143,7 +148,8 @@ def _write(arrays, cache_map, write_slots, values, map_rows, map_values, *,
   """One rank's part of a prefetch's writes: the fetched rows into their
   slots and the map updated (`layouts`: per array, its `RowLayout`, host
   rows <-> device rows)."""
-  arrays = tuple(write_rows(a, write_slots, lay.to_device(v))
+  arrays = tuple(write_rows(a, write_slots, lay.to_device(v),
+                            by_dma=lay.stored, interpret=lay.interpret)
                  for a, v, lay in zip(arrays, values, layouts))
   return arrays, cache_map.at[map_rows].set(map_values, mode="drop")
 
@@ -162,11 +168,13 @@ class RowLayout:
   element-wise state) are stored as whole 128-lane rows of words
   (`kernels/mosaic_tpu/stored.py`), converted here, a batch's rows at a
   time. `kind`: "table", "element" or "row"; `width`, `dtype`: the
-  rank's logical columns and the table's dtype."""
+  rank's logical columns and the table's dtype; `interpret`: the Mosaic
+  kernels through Pallas' interpreter."""
   stored: bool = False
   kind: str = "row"
   width: int = 0
   dtype: Any = None
+  interpret: bool = False
 
   def to_device(self, rows):
     if not self.stored or self.kind == "row":
@@ -254,7 +262,7 @@ class HostStack:
                                       if stack.optimizer else ())}
     self._layouts = tuple(
         RowLayout(stored, kind, placement_lib.shard_width(stack),
-                  stack.dtype)
+                  stack.dtype, coll.backend == "mosaic_tpu_interpret")
         for kind in ("table",) + tuple(kinds[n] for n in self.slot_names))
     shard = functools.partial(jax.shard_map, mesh=self.mesh, check_vma=False)
     self._write = jax.jit(shard(

@@ -31,6 +31,7 @@ from pallas_emb import kernels
 from pallas_emb import validation
 from pallas_emb.kernels import reference
 from pallas_emb.kernels.mosaic_tpu import lookup
+from pallas_emb.kernels.mosaic_tpu import row_write
 from pallas_emb.kernels.mosaic_tpu import segment_sum
 from pallas_emb.kernels.mosaic_tpu import sparse_update
 from pallas_emb.kernels.mosaic_tpu import stored
@@ -527,6 +528,46 @@ class SparseUpdateTest(parameterized.TestCase):
     got = _update(opt, BACKEND, args, 16, apply=False)
     for g, given in zip(jax.tree.leaves(got), jax.tree.leaves(args[:3])):
       test_util.assert_bits_equal(self, g, given)
+
+
+class RowWriteKernelTest(parameterized.TestCase):
+  """The host tier's swap writes its rows into the cache by DMA."""
+
+  @parameterized.parameters(
+      (1000, 128, 37, F32), (64, 256, 64, np.uint32), (5000, 128, 600, F32),
+      (40, 128, 0, F32))
+  def test_matches_numpy_model_and_twin(self, rows, width, n, dtype):
+    rng = np.random.default_rng(rows + n)
+    draw = lambda shape: rng.integers(0, 2**32, shape, np.uint32).view(dtype)
+    array, values = draw((rows, width)), draw((n, width))
+    # Unique slots, some outside the array (skipped: the swap's padding).
+    slots = (rng.permutation(rows + 20)[:n] - 10).astype(np.int32)
+    want = array.copy()
+    for k, slot in enumerate(slots):
+      if 0 <= slot < rows:
+        want[slot] = values[k]
+    got = jax.jit(functools.partial(
+        row_write.write_rows, interpret=BACKEND != "mosaic_tpu"),
+                  donate_argnums=0)(jnp.asarray(array), slots, values)
+    test_util.assert_bits_equal(self, got, want)
+    test_util.assert_bits_equal(
+        self, row_write.write_rows_twin(jnp.asarray(array), slots, values),
+        want)
+
+  def test_refuses_arrays_it_cannot_write(self):
+    with self.assertRaisesRegex(ValueError, r"float32\[10, 64\].*128"):
+      row_write.write_rows(jnp.zeros((10, 64)), jnp.zeros(2, jnp.int32),
+                           jnp.zeros((2, 64)))
+
+  def test_lowers_for_tpu_in_place(self):
+    text = jax.jit(row_write.write_rows, donate_argnums=0).trace(
+        jax.ShapeDtypeStruct((4096, 128), F32),
+        jax.ShapeDtypeStruct((300,), np.int32),
+        jax.ShapeDtypeStruct((300, 128), F32)).lower(
+            lowering_platforms=("tpu",)).as_text()
+    self.assertEqual(set(MOSAIC_KERNELS.findall(text)),
+                     {"pallas_emb_write_rows_tpu"})
+    self.assertIn("output_operand_alias", text)
 
 
 def _collection(backend, dtype, width, placement="column",
