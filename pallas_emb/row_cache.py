@@ -97,7 +97,10 @@ class RowCache:
     self.num_slots = int(slots)
     self.row_slot = np.full(rows, -1, np.int32)
     self.slot_row = np.full(slots, -1, np.int32)
-    self.stamp = np.zeros(slots, np.int64)     # the clock at its last use
+    # The clock at the slot's last use; -1 once emptied, so that a log
+    # entry is current exactly where its clock is the stamp (int32: half
+    # the bytes of the log's random reads; 2^31 admissions).
+    self.stamp = np.full(slots, -1, np.int32)
     # LFU: ids read since it came in (LRU keeps none).
     self.count = np.zeros(slots if policy == "lfu" else 0, np.int64)
     self.dirty = np.zeros(slots, bool)
@@ -159,6 +162,7 @@ class RowCache:
     # Evictions.
     self.row_slot[evict_rows] = -1
     self.slot_row[evict_slots] = -1
+    self.stamp[evict_slots] = -1
     self.dirty[evict_slots] = False
     self._push(evict_slots)
     # Misses into free slots.
@@ -231,7 +235,7 @@ class RowCache:
         clock, entry = self._log.popleft()
         self._to_compact = max(self._to_compact - 1, 0)
       self._log_size -= entry.size
-      entry = entry[(self.stamp[entry] == clock) & (self.slot_row[entry] >= 0)]
+      entry = entry[self.stamp[entry] == clock]
       free = np.flatnonzero(~self._excluded[entry])[:group]
       taken.append(entry[free])
       group -= free.size
@@ -248,8 +252,7 @@ class RowCache:
     recently used), by one scan of the slots; the counts then halve."""
     candidates = np.flatnonzero((self.slot_row >= 0) & ~self._excluded)
     count = np.minimum(self.count[candidates], 2**(62 - _STAMP_BITS))
-    key = (count << _STAMP_BITS) | (self.stamp[candidates]
-                                    & (2**_STAMP_BITS - 1))
+    key = (count << _STAMP_BITS) | self.stamp[candidates].astype(np.int64)
     if group < candidates.size:
       candidates = candidates[np.argpartition(key, group - 1)[:group]]
     self.count >>= 1  # aging: every eviction pass halves the counts
@@ -264,7 +267,7 @@ class RowCache:
       self._to_compact -= 1
       budget -= entry.size
       self._log_size -= entry.size
-      entry = entry[(self.stamp[entry] == clock) & (self.slot_row[entry] >= 0)]
+      entry = entry[self.stamp[entry] == clock]
       if entry.size:
         self._head.append((clock, entry))
         self._log_size += entry.size
