@@ -27,7 +27,9 @@ Per configuration it prints and records:
               it; `mean_step_s_without_compiles` is the mean with the
               seconds JAX spent compiling taken out, so it keeps the
               steps that move a group of evicted rows back; `steps_ms`
-              each timed step's time between losses), the step
+              each timed step's time between losses, `prefetch_ms`,
+              `waited_ms` and `evicted` its prefetch's host time, of it
+              the wait for write-backs, and its evictions), the step
               time with each step waited for (no
               overlap of host work and device work), the host seconds of
               the prefetch per step, the cache hit rate (distinct rows and
@@ -253,6 +255,10 @@ def _run(pe, jax, jnp, np, optax, rows, bag, batches, host, steps, warmup,
   before = dict(_COMPILING)
   out["step_s"], out["mean_step_s"] = run(steps, False)
   out["steps_ms"] = list(times_ms)
+  if host:  # each timed step's prefetch on the host, and its evictions
+    out["prefetch_ms"] = [round(1e3 * c.seconds, 2) for c in cache]
+    out["waited_ms"] = [round(1e3 * c.wait_seconds, 2) for c in cache]
+    out["evicted"] = [c.evicted for c in cache]
   out["compiled_programs"] = _COMPILING["programs"] - before["programs"]
   out["mean_step_s_without_compiles"] = out["mean_step_s"] - (
       _COMPILING["seconds"] - before["seconds"]) / max(steps, 1)

@@ -1075,6 +1075,8 @@ class BenchTest(absltest.TestCase):
                 "bytes_to_host_per_step", "fetched_per_step"):
       self.assertIn(key, host)
     self.assertBetween(host["hit_rate"], 0, 1)
+    self.assertLen(host["prefetch_ms"], 2)
+    self.assertLen(host["evicted"], 2)
     for side in (host, record["device"]):
       self.assertLen(side["steps_ms"], 2)
       self.assertAlmostEqual(1e3 * side["step_s"],
