@@ -154,6 +154,20 @@ def _write(arrays, cache_map, write_slots, values, map_rows, map_values, *,
   return arrays, cache_map.at[map_rows].set(map_values, mode="drop")
 
 
+def _write_taking_back(arrays, cache_map, write_slots, values, map_rows,
+                       map_values, leaving, positions, *, layouts):
+  """`_write`, where the fetched rows at `positions` >= 0 are taken from
+  `leaving` (the newest write-back group's rows, still on the devices)
+  instead of `values` (read from host memory before they landed)."""
+  take = positions >= 0
+  at = jnp.maximum(positions, 0)
+  values = tuple(
+      jnp.where(take.reshape((-1,) + (1,) * (v.ndim - 1)),
+                jnp.take(g, at, axis=0), v) for v, g in zip(values, leaving))
+  return _write(arrays, cache_map, write_slots, values, map_rows,
+                map_values, layouts=layouts)
+
+
 def _read(arrays, slots, *, layouts):
   """One rank's cache rows `slots` of every array, as host memory holds
   them."""
@@ -268,6 +282,11 @@ class HostStack:
     self._write = jax.jit(shard(
         functools.partial(_write, layouts=self._layouts),
         in_specs=(self._specs, P(), self._part_spec, self._specs, P(), P()),
+        out_specs=(self._specs, P())), donate_argnums=(0, 1))
+    self._write_taking_back = jax.jit(shard(
+        functools.partial(_write_taking_back, layouts=self._layouts),
+        in_specs=(self._specs, P(), self._part_spec, self._specs, P(), P(),
+                  self._specs, self._part_spec),
         out_specs=(self._specs, P())), donate_argnums=(0, 1))
     self._read = jax.jit(shard(
         functools.partial(_read, layouts=self._layouts),
@@ -407,7 +426,12 @@ class HostStack:
     # The reads and the writes have sizes of their own: a group of
     # evictions does not pad the fetched rows sent to the devices.
     n = _bucket(max(a.fetch_slots.size for a in admitted))
-    self.write_backs.wait_for([a.fetch_rows for a in admitted])
+    fetch_rows = [a.fetch_rows for a in admitted]
+    # A fetched row still on its way back comes from the newest group's
+    # rows on the devices (its latest values), else after its group lands.
+    taking_back = self.write_backs.from_newest(fetch_rows, n)
+    if taking_back is None:
+      self.write_backs.wait_for(fetch_rows)
     write_slots = _padded([a.fetch_slots for a in admitted], n,
                           slots_per_part, np.int32)
     values, reading = [], time.perf_counter()
@@ -428,7 +452,11 @@ class HostStack:
     map_values = _padded([map_values], m, -1, np.int32)
     index = [write_slots, map_rows, map_values]
     specs = [self._part_spec, P(), P()]
-    if any(s.size for s, _ in dirty):
+    if taking_back is not None:
+      index.append(taking_back[0])
+      specs.append(self._part_spec)
+    reading = any(s.size for s, _ in dirty)
+    if reading:
       n_read = _bucket(max(s.size for s, _ in dirty))
       index.append(_padded([s for s, _ in dirty], n_read, 0, np.int32))
       specs.append(self._part_spec)
@@ -440,16 +468,20 @@ class HostStack:
         (sharding(self._specs), sharding(specs), self._token_sharding))
     arrays = self._device_arrays(state)
     to_host = 0
-    if len(index) > 3:
+    if reading:
       # Dispatched first: the device reads the rows before the writes.
-      read_index = index[3]
-      read = self._read(arrays, read_index)
+      read = self._read(arrays, index[-1])
       for x in read:
         x.copy_to_host_async()
       self.write_backs.start([rows for _, rows in dirty], n_read, read)
       to_host = sum(x.nbytes for x in read)
-    arrays, cache_map = self._write(arrays, state.cache_map, index[0],
-                                    values, index[1], index[2])
+    if taking_back is None:
+      arrays, cache_map = self._write(arrays, state.cache_map, index[0],
+                                      values, index[1], index[2])
+    else:
+      arrays, cache_map = self._write_taking_back(
+          arrays, state.cache_map, index[0], values, index[1], index[2],
+          taking_back[1], index[3])
     to_device = sum(_transferred(x) for x in values + index)
     return (self._with_arrays(state, arrays, cache_map), entries, to_device,
             to_host, read_s)

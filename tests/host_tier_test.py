@@ -20,6 +20,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import types
 import weakref
@@ -296,6 +297,56 @@ class HostKeysTest(absltest.TestCase):
       self.assertGreater(rows.max(), 2**31 - 4 if vocab > 60 else 0)
 
 
+class WriteBacksTest(absltest.TestCase):
+
+  def test_rows_on_their_way_come_from_the_newest_group(self):
+    """Against a model of the groups on their way (a list of row sets):
+    `from_newest` places each wanted row that is on its way at its row in
+    the newest group, None if one is only in an older group; a row in two
+    groups stays on its way until both land."""
+    # pylint: disable=protected-access
+    gates, landed = [], []
+
+    def land(rows, n, values):
+      gates[len(landed)].wait(10)
+      landed.append(values)
+
+    write_backs = write_back.WriteBacks(land, [50, 50])
+    groups = [([np.array([3, 7, 9]), np.array([1])], 4, "a"),
+              ([np.array([9, 2]), np.array([5, 1, 8])], 4, "b")]
+    gates.extend(threading.Event() for _ in groups)
+    try:
+      for rows, n, values in groups:
+        write_backs.start(rows, n, values)
+      wanted = [np.array([2, 9, 4]), np.array([8, 0])]
+      positions, values = write_backs.from_newest(wanted, 3)
+      self.assertEqual(values, "b")
+      # Part 0: 2 and 9 at rows 1 and 0 of group b; part 1: 8 at row 2.
+      np.testing.assert_array_equal(positions, [1, 0, -1, 2, -1, -1])
+      # 7 is only in the older group.
+      self.assertIsNone(write_backs.from_newest(
+          [np.array([7, 2]), np.array([], np.int64)], 2))
+      self.assertIsNone(write_backs.from_newest(
+          [np.array([4]), np.array([0])], 1))  # none on its way
+      gates[0].set()
+      while len(landed) < 1:
+        time.sleep(0.01)
+      time.sleep(0.05)
+      # Row 9 of part 0 is still in group b; 3 and 7 landed.
+      self.assertTrue(write_backs.on_the_way([np.array([9]),
+                                              np.array([], np.int64)]))
+      self.assertFalse(write_backs.on_the_way([np.array([3, 7]),
+                                               np.array([], np.int64)]))
+      self.assertIsNotNone(write_backs.from_newest(
+          [np.array([3, 9]), np.array([], np.int64)], 2))
+    finally:
+      for gate in gates:
+        gate.set()
+    write_backs.finish()
+    self.assertFalse(write_backs.on_the_way([np.arange(50), np.arange(50)]))
+    self.assertEqual(landed, ["a", "b"])
+
+
 class TransferSizeTest(absltest.TestCase):
 
   def test_transfers_pad_to_the_least_quarter_octave(self):
@@ -565,14 +616,26 @@ class HostTierTest(parameterized.TestCase):
                            return_value=0):
       mapped.init(jax.random.key(0))
 
-  def test_a_row_on_its_way_back_is_waited_for(self):
+  @parameterized.parameters((True, "column"), (False, "column"),
+                            (True, "row"))
+  def test_a_row_on_its_way_back_is_taken_back_or_waited_for(self, take,
+                                                             placement):
     """Write-backs land on a thread of their own, here late: a prefetch
-    that fetches a row still on its way to host memory waits for it, and
-    the steps still equal the device table's bit for bit."""
+    that fetches a row still on its way to host memory takes it from the
+    newest group's rows on the devices (`take`), or waits for it to land
+    (a row only in an older group; here every one, with `from_newest`
+    made to find none), and the steps still equal the device table's bit
+    for bit."""
     # pylint: disable=protected-access
     land = write_back.WriteBacks._land
     wait = write_back.WriteBacks.wait_for
-    waits = []
+    newest = write_back.WriteBacks.from_newest
+    waits, taken = [], []
+
+    def from_newest(write_backs, rows, size):
+      got = newest(write_backs, rows, size) if take else None
+      taken.append(0 if got is None else int((got[0] >= 0).sum()))
+      return got
 
     def late(write_backs, *args):
       time.sleep(0.2)
@@ -586,8 +649,11 @@ class HostTierTest(parameterized.TestCase):
                                          late))
     self.enter_context(mock.patch.object(write_back.WriteBacks, "wait_for",
                                          wait_for))
-    host, device = collections("column", "lru", pe.RowwiseAdagrad(0.1),
-                               cache_rows=28)
+    self.enter_context(mock.patch.object(write_back.WriteBacks,
+                                         "from_newest", from_newest))
+    # (A row-placed cache's part must hold a rank's rows of a batch.)
+    host, device = collections(placement, "lru", pe.RowwiseAdagrad(0.1),
+                               cache_rows=28 if placement == "column" else 32)
     hstate, dstate = same_start(host, device)
     # Two batches in turn: each evicts rows the other reads next.
     pair = [b for b, _ in batches(host, 2, seed=3)]
@@ -605,8 +671,11 @@ class HostTierTest(parameterized.TestCase):
       grads = grads_for(demb, step)
       hstate, _ = host.apply_gradients(hstate, batch, grads)
       dstate, _ = device.apply_gradients(dstate, batch, grads)
-    self.assertIn(True, waits)  # some fetch met a row on its way
-    self.assertGreater(max(waited), 0.0)  # and the stats say how long
+    if take:
+      self.assertGreater(max(taken), 0)  # rows were taken back
+    else:
+      self.assertIn(True, waits)  # some fetch met a row on its way
+      self.assertGreater(max(waited), 0.0)  # and the stats say how long
     self.assertEqual(waited[0], 0.0)  # nothing was on its way yet
     self.check_equal(host, device, hstate, dstate, "end")
 
@@ -948,13 +1017,20 @@ class HostTierTest(parameterized.TestCase):
     self.assertEqual(values[0].shape[0], write_slots.shape[0])
     self.assertEqual(write_slots.shape[0],
                      host_tier._bucket(fetched[-1]))  # pylint: disable=protected-access
-    compiled = original.lower(*writes[-1]).compile().as_text()
-    for array in arrays:
-      shard = array.sharding.shard_shape(array.shape)
-      shape = ",".join(map(str, shard))
-      copies = [line for line in compiled.splitlines()
-                if f"[{shape}]" in line and " copy(" in line]
-      self.assertEqual(copies, [], shape)
+    # The write that takes rows back from a write-back group's rows on
+    # the devices (a group of 8 rows here) is in place too.
+    leaving = tuple(jax.ShapeDtypeStruct((8,) + v.shape[1:], v.dtype,
+                                         sharding=v.sharding) for v in values)
+    for compiled in (
+        original.lower(*writes[-1]).compile().as_text(),
+        stack._write_taking_back.lower(  # pylint: disable=protected-access
+            *writes[-1], leaving, write_slots).compile().as_text()):
+      for array in arrays:
+        shard = array.sharding.shard_shape(array.shape)
+        shape = ",".join(map(str, shard))
+        copies = [line for line in compiled.splitlines()
+                  if f"[{shape}]" in line and " copy(" in line]
+        self.assertEqual(copies, [], shape)
 
   def test_host_memory_is_freed_with_the_last_state(self):
     """jit keeps the static data of what it compiled for: it must not keep
