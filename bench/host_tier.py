@@ -363,6 +363,23 @@ def _gathers(jax, np, rows, misses):
   return out
 
 
+def _slow_steps(h) -> str:
+  """A line on the timed steps over 1.5x the median (what the mean holds
+  that the median does not): their time, and their calls' prefetch on the
+  host (a step's call prefetches first and dispatches after it), its wait
+  for write-backs and evictions."""
+  steps, median = h["steps_ms"], 1e3 * h["step_s"]
+  slow = [i for i, t in enumerate(steps) if t > 1.5 * median]
+  if not slow:
+    return ""
+  mean = lambda key: sum(h[key][i] for i in slow) / len(slow)
+  return (f"{len(slow)} of {len(steps)} timed steps over 1.5x the median: "
+          f"{mean('steps_ms'):.1f} ms on average, their prefetch "
+          f"{mean('prefetch_ms'):.1f} ms on the host, of it "
+          f"{mean('waited_ms'):.1f} waiting for write-backs; "
+          f"{sum(h['evicted'][i] > 0 for i in slow)} of them evicted")
+
+
 def main(argv):
   del argv
   import jax  # pylint: disable=g-import-not-at-top
@@ -419,6 +436,9 @@ def main(argv):
           + ("; the cache was still filling (no eviction in the timed "
              "steps): a cold cache's hit rate, raise --warmup"
              if h["filling"] else ""))
+    slow = _slow_steps(h)
+    if slow:
+      print(f"    {slow}")
     if _DEVICE_ROWS.value:
       began = time.perf_counter()
       batches = _batches(np, datasets, _DEVICE_ROWS.value, _IDS.value, bag,

@@ -1164,6 +1164,24 @@ class BenchTest(absltest.TestCase):
     self.assertIn("numpy_device_put_s", record["gathers"])
 
 
+  def test_bench_names_the_slow_steps(self):
+    """`bench.host_tier`'s line on the steps over 1.5x the median, against
+    a hand count of made-up steps (in a process of its own: the bench
+    defines absl flags)."""
+    code = (
+        "from bench import host_tier\n"
+        "h = dict(steps_ms=[10, 11, 30, 40, 9], step_s=0.0105,\n"
+        "         prefetch_ms=[2, 3, 20, 8, 2], waited_ms=[0, 0, 0, 6, 0],\n"
+        "         evicted=[0, 0, 5, 0, 0])\n"
+        "print(host_tier._slow_steps(h))\n"
+        "print(repr(host_tier._slow_steps(dict(h, step_s=0.04))))\n")
+    out = subprocess.run([sys.executable, "-c", code], check=True,
+                         capture_output=True, text=True).stdout
+    self.assertEqual(out.splitlines(), [
+        "2 of 5 timed steps over 1.5x the median: 35.0 ms on average, "
+        "their prefetch 14.0 ms on the host, of it 3.0 waiting for "
+        "write-backs; 1 of them evicted", "''"])
+
   def test_checkpoint_bench_runs_small(self):
     """`python -m bench.host_checkpoint` at tiny sizes (table in files)."""
     with tempfile.TemporaryDirectory() as tmp:
