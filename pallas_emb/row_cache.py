@@ -17,7 +17,11 @@ many as needed). LRU finds them in a log of the slots each batch used, in
 the order of use, from its oldest end: a slot's entry whose clock is no
 longer the slot's stamp is stale (the slot was used again, or emptied) and
 is dropped as the log is read, so the work follows the rows the batches
-read, not O(slots) a group (docs/host_tier.md has the figures). When the
+read, not O(slots) a group (docs/host_tier.md has the figures). Once
+fewer slots are free than a group, the admissions that do not evict
+read the log's oldest entries ahead (`READ_AHEAD_BATCHES`), so that most
+of a pass's reading is done before it: the pass stalls a pipelined step,
+the admissions before it run beside the devices' step. When the
 log outgrows `LOG_SLOTS` times the slots, a compaction pass starts: each
 admission then filters the stale entries out of the oldest part of the
 log, at least `COMPACT_BATCHES` times its own rows, until the pass has
@@ -52,6 +56,10 @@ EVICT_FRACTION = 32
 # at most a quarter of its size during a pass).
 LOG_SLOTS = 3
 COMPACT_BATCHES = 4
+# LRU: an admission that does not evict, once fewer slots are free than a
+# group, reads at least this many times its own rows off the log's oldest
+# end ahead of the next eviction pass (`_read_ahead`).
+READ_AHEAD_BATCHES = 2
 _STAMP_BITS = 32
 
 
@@ -108,14 +116,19 @@ class RowCache:
     self._free = np.arange(slots, dtype=np.int32)[::-1].copy()
     self._num_free = int(slots)
     self.clock = 0
-    # LRU: (clock, slots used at that clock), oldest first, in two parts:
-    # `_head`, the entries a compaction pass has filtered, all older than
-    # those of `_log`; their length together; the entries of `_log` the
-    # pass has still to filter (0: no pass).
+    # LRU: (clock, slots used at that clock), oldest first, in two parts
+    # (after `_ready`, below): `_head`, the entries a compaction pass has
+    # filtered, all older than those of `_log`; their length together; the
+    # entries of `_log` the pass has still to filter (0: no pass).
     self._head = collections.deque()
     self._log = collections.deque()
     self._log_size = 0
     self._to_compact = 0
+    # LRU: entries read off the log's oldest end ahead of an eviction pass
+    # (older than `_head`'s and `_log`'s, current when read), and their
+    # length.
+    self._ready = collections.deque()
+    self._ready_size = 0
     self._excluded = np.zeros(slots, bool)  # scratch: pinned or in the batch
 
   @property
@@ -185,6 +198,8 @@ class RowCache:
         self._to_compact = len(self._log)
       if self._to_compact:
         self._compact_log(COMPACT_BATCHES * slots.size)
+      if not evict_slots.size and self._num_free < self._group_size():
+        self._read_ahead(READ_AHEAD_BATCHES * slots.size)
     self.clock += 1
     return Admission(slots, hit, misses, fetch_slots, evict_rows,
                      evict_slots, dirty)
@@ -214,7 +229,7 @@ class RowCache:
           f"batch's {rows.size} distinct rows and those of the batches in "
           f"flight) but holds {self.num_slots}; raise cache_rows or use "
           "smaller batches.", needed, self.num_slots)
-    group = min(evictable, max(k, self.num_slots // EVICT_FRACTION))
+    group = min(evictable, max(k, self._group_size()))
     try:
       if self.policy == "lru":
         victims = self._least_recent(group)
@@ -224,17 +239,44 @@ class RowCache:
       excluded[pinned] = excluded[hit_slots] = False
     return np.sort(victims).astype(np.int32)
 
+  def _group_size(self) -> int:
+    return self.num_slots // EVICT_FRACTION
+
+  def _oldest_entry(self):
+    """`(clock, slots)` popped off the log's oldest end (the head first)."""
+    if self._head:
+      clock, entry = self._head.popleft()
+    else:
+      clock, entry = self._log.popleft()
+      self._to_compact = max(self._to_compact - 1, 0)
+    self._log_size -= entry.size
+    return clock, entry
+
+  def _read_ahead(self, budget: int) -> None:
+    """Filters at least `budget` of the log's oldest entries into
+    `_ready`, until it holds a group: the next eviction pass then reads
+    few stale entries. (A stale entry never becomes current again: a
+    slot's stamp only moves on, or to -1.)"""
+    while (self._ready_size < self._group_size() and budget > 0
+           and (self._head or self._log)):
+      clock, entry = self._oldest_entry()
+      budget -= entry.size
+      entry = entry[self.stamp[entry] == clock]
+      if entry.size:
+        self._ready.append((clock, entry))
+        self._ready_size += entry.size
+
   def _least_recent(self, group: int) -> np.ndarray:
     """The `group` least recently used evictable slots, from the log's
-    oldest end (ties: in the order the batch listed its rows)."""
+    oldest end, the entries read ahead first (ties: in the order the
+    batch listed its rows)."""
     taken, kept = [], []
     while group:
-      if self._head:
-        clock, entry = self._head.popleft()
+      if self._ready:
+        clock, entry = self._ready.popleft()
+        self._ready_size -= entry.size
       else:
-        clock, entry = self._log.popleft()
-        self._to_compact = max(self._to_compact - 1, 0)
-      self._log_size -= entry.size
+        clock, entry = self._oldest_entry()
       entry = entry[self.stamp[entry] == clock]
       free = np.flatnonzero(~self._excluded[entry])[:group]
       taken.append(entry[free])
@@ -242,9 +284,10 @@ class RowCache:
       rest = np.delete(entry, free)
       if rest.size:
         kept.append((clock, rest))
-        self._log_size += rest.size
-    # What is left of the entries read is filtered: the oldest of the head.
-    self._head.extendleft(reversed(kept))
+        self._ready_size += rest.size
+    # What is left of the entries read is filtered, and older than every
+    # entry not read: the front of the entries read ahead.
+    self._ready.extendleft(reversed(kept))
     return np.concatenate(taken)
 
   def _least_frequent(self, group: int) -> np.ndarray:

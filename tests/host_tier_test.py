@@ -202,9 +202,46 @@ class RowCacheTest(absltest.TestCase):
         np.testing.assert_array_equal(x, y)
     # Every cached slot's last use is in the log.
     logged = set()
-    for clock, entry in list(cache._head) + list(cache._log):  # pylint: disable=protected-access
+    for clock, entry in (list(cache._ready) + list(cache._head)  # pylint: disable=protected-access
+                         + list(cache._log)):  # pylint: disable=protected-access
       logged.update(entry[cache.stamp[entry] == clock].tolist())
     self.assertEqual(logged, set(np.flatnonzero(cache.slot_row >= 0)))
+
+  def test_lru_reading_ahead_changes_no_victim(self):
+    """Admissions that do not evict read the log's oldest entries ahead of
+    the next eviction pass (`_read_ahead`): every admission moves the rows
+    it moves without reading ahead, on batches that fill a cache with
+    groups of 1/4 of it and then evict every few batches."""
+    def run(batches_ahead):
+      rng = np.random.default_rng(2)
+      cache = row_cache.RowCache(64, 400, "lru")
+      pinned, moved, read = np.zeros(0, np.int32), [], []
+      # pylint: disable=protected-access
+      read_ahead = cache._read_ahead
+
+      def counted(budget):
+        before = cache._ready_size
+        read_ahead(budget)
+        read.append(cache._ready_size - before)
+      cache._read_ahead = counted
+      with mock.patch.object(row_cache, "READ_AHEAD_BATCHES",
+                             batches_ahead), \
+          mock.patch.object(row_cache, "EVICT_FRACTION", 4):
+        for _ in range(200):
+          rows = np.unique(rng.zipf(1.2, 12) % 400)
+          got = self.admit(cache, rows, pinned)
+          moved.append((got.slots, got.evict_slots, got.fetch_slots))
+          pinned = got.slots
+      return moved, sum(read)
+
+    want, none_ahead = run(0)
+    got, ahead = run(row_cache.READ_AHEAD_BATCHES)
+    self.assertEqual(none_ahead, 0)
+    self.assertGreater(ahead, 50)  # entries read ahead
+    self.assertGreater(sum(m[1].size > 0 for m in want), 10)  # passes
+    for a, b in zip(got, want):
+      for x, y in zip(a, b):
+        np.testing.assert_array_equal(x, y)
 
   def check_lru_victims(self):
     rng = np.random.default_rng(0)
