@@ -235,16 +235,21 @@ def as_host_array(spec, part: str, x, dtype, copy: bool = True
   return out
 
 
-def in_chunks(fn, n: int) -> None:
+def in_chunks(fn, n: int, pool: str = "rows") -> None:
   """`fn(start, stop)` over `[0, n)`: in chunks on the host's cores when n
   is large (numpy's take and row assignment release the GIL; a random row
-  read waits on memory, so threads overlap the waits), else at once."""
+  read waits on memory, so threads overlap the waits), else at once.
+
+  `pool` names the threads: callers that run at once use pools of their
+  own, so that one's chunks never queue behind the other's (the
+  write-backs' landing, on a thread of its own, beside the prefetch)."""
   chunks = min(_threads(), n // max(1, PARALLEL_ROWS // 2))
   if n < PARALLEL_ROWS or chunks < 2:
     fn(0, n)
     return
   bounds = np.linspace(0, n, chunks + 1).astype(int)
-  futures = [_pool().submit(fn, a, b) for a, b in zip(bounds, bounds[1:])]
+  futures = [_pool(pool).submit(fn, a, b)
+             for a, b in zip(bounds, bounds[1:])]
   for future in futures:
     future.result()
 
@@ -254,6 +259,6 @@ def _threads() -> int:
 
 
 @functools.cache
-def _pool() -> concurrent.futures.ThreadPoolExecutor:
+def _pool(name: str) -> concurrent.futures.ThreadPoolExecutor:
   return concurrent.futures.ThreadPoolExecutor(
-      _threads(), thread_name_prefix="pallas_emb_host_rows")
+      _threads(), thread_name_prefix=f"pallas_emb_host_{name}")

@@ -498,7 +498,7 @@ class HostStack:
 
         def put(a, b, part=part, local=local, values=values, at=at):
           part[local[a:b]] = values[at + a:at + b]
-        host_memory.in_chunks(put, local.size)
+        host_memory.in_chunks(put, local.size, pool="write_back")
 
   # --- host memory up to date ----------------------------------------------
 

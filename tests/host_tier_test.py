@@ -384,6 +384,37 @@ class WriteBacksTest(absltest.TestCase):
     self.assertEqual(landed, ["a", "b"])
 
 
+class InChunksTest(absltest.TestCase):
+
+  def test_chunks_cover_the_rows_once_and_pools_do_not_queue_on_each_other(
+      self):
+    n = 4 * host_memory.PARALLEL_ROWS + 3
+    release = threading.Event()
+    landing = np.zeros(n, np.int32)
+
+    def blocked(a, b):  # a landing that holds every thread of its pool
+      release.wait(30)
+      landing[a:b] += 1
+    writer = threading.Thread(target=host_memory.in_chunks,
+                              args=(blocked, n), kwargs={"pool": "write_back"})
+    writer.start()
+    try:
+      seen = np.zeros(n, np.int32)
+
+      def prefetch():
+        host_memory.in_chunks(
+            lambda a, b: np.add.at(seen, np.arange(a, b), 1), n)
+      reader = threading.Thread(target=prefetch)
+      reader.start()
+      reader.join(10)  # the prefetch's pool is free: it does not wait
+      self.assertFalse(reader.is_alive())
+      np.testing.assert_array_equal(seen, np.ones(n, np.int32))
+    finally:
+      release.set()
+      writer.join(30)
+    np.testing.assert_array_equal(landing, np.ones(n, np.int32))
+
+
 class TransferSizeTest(absltest.TestCase):
 
   def test_transfers_pad_to_the_least_quarter_octave(self):
