@@ -10,7 +10,8 @@ rows and counts, as a prefetch hands them over), admitted one after the
 other into a directory of `--slots` slots, the rows of the two batches
 before each pinned (the pipelined Trainer's). Prints the median time of
 an admission that evicts (a group, `row_cache.EVICT_FRACTION`) and of one
-that does not, after the cache first fills. `--baseline` loads another
+that does not, after the cache first fills, and the hit rates since the
+first eviction (the cache full: a steady state). `--baseline` loads another
 `row_cache.py` (say `git show COMMIT:pallas_emb/row_cache.py > OLD.py`)
 and runs it on the same batches in the same process. docs/host_tier.md
 quotes it.
@@ -54,6 +55,7 @@ def _admit_times(module, batches) -> dict:
   cache = module.RowCache(_SLOTS.value, _ROWS.value, _POLICY.value)
   pinned = [np.zeros(0, np.int32)] * 2
   evicting, other, full, every = [], [], [], []
+  hits = []  # since the first eviction: (distinct rows, rows hit, ids, hit)
   for rows, counts in batches:
     start = time.perf_counter()
     got = cache.admit(rows, counts, np.ones(rows.size, bool),
@@ -67,12 +69,17 @@ def _admit_times(module, batches) -> dict:
     every.append(seconds)
     if evicting:  # since the first eviction: every admission
       full.append(seconds)
+      hits.append((rows.size, got.hit.sum(), counts.sum(),
+                   counts[got.hit].sum()))
   median = lambda x: statistics.median(x) if x else float("nan")
+  hit = np.sum(hits, axis=0) if hits else None
   return {"evicting_s": median(evicting), "evicting": len(evicting),
           "other_s": median(other), "other": len(other),
           "mean_s": statistics.mean(full) if full else float("nan"),
           "all_s": statistics.mean(every), "max_s": max(every),
-          "cached": int(cache.cached)}
+          "cached": int(cache.cached),
+          "hit_rate": float(hit[1] / hit[0]) if hits else float("nan"),
+          "id_hit_rate": float(hit[3] / hit[2]) if hits else float("nan")}
 
 
 def main(argv):
@@ -103,7 +110,9 @@ def main(argv):
           f"{got['other']}); since the first eviction {1e3 * got['mean_s']:.1f}"
           f" ms an admission on average; over all {len(batches)} "
           f"{1e3 * got['all_s']:.1f} ms on average, the longest "
-          f"{1e3 * got['max_s']:.0f} ms")
+          f"{1e3 * got['max_s']:.0f} ms; since the first eviction "
+          f"{got['hit_rate']:.3f} of the distinct rows hit, "
+          f"{got['id_hit_rate']:.3f} of the ids")
   if _JSON_OUT.value:
     with open(_JSON_OUT.value, "w") as f:
       json.dump(doc, f, indent=1)

@@ -237,7 +237,10 @@ class RowCache:
         victims = self._least_frequent(group)
     finally:
       excluded[pinned] = excluded[hit_slots] = False
-    return np.sort(victims).astype(np.int32)
+    # In the policy's order: a sort of the group (393,216 slots: 10.7 ms on
+    # a 2-core CPU) changed nothing but the order in which the slots are
+    # freed, read and written back.
+    return victims.astype(np.int32, copy=False)
 
   def _group_size(self) -> int:
     return self.num_slots // EVICT_FRACTION
