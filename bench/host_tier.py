@@ -51,6 +51,11 @@ Per configuration it prints and records:
               memory + `device_put` (what the host tier does) against a
               gather inside `jit` from a `pinned_host` array (JAX memory
               kinds), each timed, or the error the platform gives
+  host_profile  with `--host_profile_steps=N`: N more pipelined steps of
+              the host tier, each call under cProfile; for the steps that
+              evict a group and each of the 3 after them, the functions
+              whose host time (own, not their callees') grew most over
+              the steps far from a group (what the mean holds)
 
 The host table is filled in chunks (`host_memory.init_table`, no second
 copy), its initializer a constant (the values do not change the time).
@@ -58,8 +63,10 @@ copy), its initializer a constant (the values do not change the time).
 
 from __future__ import annotations
 
+import cProfile
 import json
 import os
+import pstats
 import queue
 import statistics
 import tempfile
@@ -103,6 +110,11 @@ _PROFILE = flags.DEFINE_integer(
     "After the timed steps, this many more pipelined steps of the host "
     "tier under jax.profiler.trace: the device time per step of each "
     "program (the cache's row swap, the step) and of the largest ops.")
+_HOST_PROFILE = flags.DEFINE_integer(
+    "host_profile_steps", 0,
+    "After the timed steps, this many more pipelined steps of the host "
+    "tier, each call under cProfile: the host functions whose time grows "
+    "in the steps at and after an eviction group (`host_profile`).")
 _HOST_DIR = flags.DEFINE_string(
     "host_dir", None, "Keep the host table in memory-mapped files of this "
     "existing directory (`TableSpec.host_dir`), for a table larger than the "
@@ -276,6 +288,23 @@ def _run(pe, jax, jnp, np, optax, rows, bag, batches, host, steps, warmup,
     out["device_ms_per_step"] = _profiled(jax, lambda: run(_PROFILE.value,
                                                            False),
                                           _PROFILE.value)
+  if host and _HOST_PROFILE.value:
+    profiles, timed_step = [], step
+
+    def step(*args):  # pylint: disable=function-redefined
+      profile = cProfile.Profile()
+      profile.enable()
+      try:
+        return timed_step(*args)
+      finally:
+        profile.disable()
+        profiles.append(_own_seconds(profile))
+    first = len(cache)
+    run(_HOST_PROFILE.value, False)
+    step = timed_step
+    out["host_profile"] = _after_evictions(
+        profiles, [c.evicted for c in cache[first:]])
+    del cache[first:]  # the profiler's time is in their prefetch's
   if host:
     out["step_waited_s"], out["mean_step_waited_s"] = run(steps, True)
     for field, name in (("seconds", "prefetch_s"), ("read_seconds", "read_s"),
@@ -363,6 +392,40 @@ def _gathers(jax, np, rows, misses):
   return out
 
 
+def _own_seconds(profile) -> dict:
+  """`{"file:function": seconds}` of a cProfile run, each function's own
+  time (not its callees')."""
+  out = {}
+  for (path, _, name), stat in pstats.Stats(profile).stats.items():
+    key = f"{os.path.basename(path)}:{name}" if path != "~" else name
+    out[key] = out.get(key, 0.0) + stat[2]
+  return out
+
+
+def _after_evictions(profiles: list, evicted: list, after: int = 3,
+                     top: int = 6) -> dict:
+  """Per `+k` (k = 0 .. `after`): the steps k after one that evicted, and
+  the `top` functions whose own time grew most on average over the quiet
+  steps (none evicted in the `after` steps before them, nor they): `{"+k":
+  {"steps": n, "ms": {function: growth in ms}}}`."""
+  evicting = [i for i, e in enumerate(evicted) if e]
+  quiet = [i for i in range(len(profiles))
+           if not any(evicted[max(0, i - after):i + 1])]
+  mean = lambda steps, key: sum(profiles[i].get(key, 0.0)
+                                for i in steps) / max(1, len(steps))
+  out = {}
+  for k in range(after + 1):
+    steps = [i + k for i in evicting if i + k < len(profiles)]
+    if not steps or not quiet:
+      continue
+    keys = set().union(*(profiles[i] for i in steps))
+    growth = sorted(((1e3 * (mean(steps, key) - mean(quiet, key)), key)
+                     for key in keys), reverse=True)[:top]
+    out[f"+{k}"] = {"steps": len(steps),
+                    "ms": {key: round(ms, 2) for ms, key in growth}}
+  return out
+
+
 def _slow_steps(h) -> str:
   """A line on the timed steps over 1.5x the median (what the mean holds
   that the median does not): their time, and their calls' prefetch on the
@@ -439,6 +502,10 @@ def main(argv):
     slow = _slow_steps(h)
     if slow:
       print(f"    {slow}")
+    for k, grown in h.get("host_profile", {}).items():
+      print(f"    host time grown in the steps {k} after an eviction "
+            f"({grown['steps']}): " + ", ".join(
+                f"{key} +{ms:.1f} ms" for key, ms in grown["ms"].items()))
     if _DEVICE_ROWS.value:
       began = time.perf_counter()
       batches = _batches(np, datasets, _DEVICE_ROWS.value, _IDS.value, bag,

@@ -7,6 +7,8 @@
 #   SMOKE=1 bash bench/host_tier_check.sh         # on a CPU: the same, tiny
 #   MOVES=20000000 bash ...    # bench.host_rows on a smaller table (faster)
 #   PROFILE=10 bash ...        # then 10 steps traced: device ms by program/op
+#   HOST_PROFILE=40 bash ...   # then 40 steps under cProfile: the host time
+#                              # grown at and after each eviction group
 #   STEPS=64 WARMUP=600 bash ...  # more timed / warm-up steps (20; 400,
 #                                 # or 3000 for sequence ids)
 #
@@ -57,6 +59,7 @@ else
   tier+=(--warmup="${WARMUP:-$warmup}")
 fi
 [ -n "${PROFILE:-}" ] && tier+=(--profile_steps="$PROFILE")
+[ -n "${HOST_PROFILE:-}" ] && tier+=(--host_profile_steps="$HOST_PROFILE")
 
 echo "host_tier_check: the host"
 grep -E "^(MemTotal|MemAvailable):" /proc/meminfo 2>/dev/null

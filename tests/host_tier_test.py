@@ -1204,7 +1204,8 @@ class BenchTest(absltest.TestCase):
           "--rows=20000", "--width=8", "--ids=64", "--bag=4",
           "--cache_rows=2048", "--steps=2", "--warmup=2",
           "--compare_device_rows=2000", "--link_mb=1",
-          "--memory_kinds_rows=1000", "--profile_steps=2"], tmp)
+          "--memory_kinds_rows=1000", "--profile_steps=2",
+          "--host_profile_steps=2"], tmp)
     self.assertIn("host tier / device", stdout)
     self.assertGreater(doc["link"]["to_device_gbps"], 0)
     (record,) = doc["results"]
@@ -1221,6 +1222,7 @@ class BenchTest(absltest.TestCase):
     self.assertBetween(host["hit_rate"], 0, 1)
     self.assertLen(host["prefetch_ms"], 2)
     self.assertLen(host["evicted"], 2)
+    self.assertEqual(host["host_profile"], {})  # no group: the cache fills
     for side in (host, record["device"]):
       self.assertLen(side["steps_ms"], 2)
       self.assertAlmostEqual(1e3 * side["step_s"],
@@ -1249,6 +1251,28 @@ class BenchTest(absltest.TestCase):
         "2 of 5 timed steps over 1.5x the median: 35.0 ms on average, "
         "their prefetch 14.0 ms on the host, of it 3.0 waiting for "
         "write-backs; 1 of them evicted", "''"])
+
+  def test_bench_names_the_host_time_grown_after_evictions(self):
+    """`bench.host_tier`'s host profile against a hand count of made-up
+    steps: step 2 evicts; steps 0, 1, 6 and 7 are quiet (no eviction in
+    them nor in the 3 steps before)."""
+    code = (
+        "from bench import host_tier\n"
+        "f = [0.010, 0.012, 0.030, 0.010, 0.011, 0.010, 0.008, 0.010]\n"
+        "profiles = [dict(f=x) for x in f]\n"
+        "profiles[3]['g'] = 0.005\n"
+        "print(host_tier._after_evictions(profiles, [0, 0, 5, 0, 0, 0, 0, 0],"
+        " top=2))\n"
+        "print(host_tier._after_evictions(profiles, [0] * 8))\n")
+    out = subprocess.run([sys.executable, "-c", code], check=True,
+                         capture_output=True, text=True).stdout
+    quiet = (0.010 + 0.012 + 0.008 + 0.010) / 4
+    want = {"+0": {"steps": 1, "ms": {"f": round(1e3 * (0.030 - quiet), 2)}},
+            "+1": {"steps": 1, "ms": {"g": 5.0,
+                                      "f": round(1e3 * (0.010 - quiet), 2)}},
+            "+2": {"steps": 1, "ms": {"f": round(1e3 * (0.011 - quiet), 2)}},
+            "+3": {"steps": 1, "ms": {"f": round(1e3 * (0.010 - quiet), 2)}}}
+    self.assertEqual(out.splitlines(), [repr(want), "{}"])
 
   def test_checkpoint_bench_runs_small(self):
     """`python -m bench.host_checkpoint` at tiny sizes (table in files)."""
