@@ -86,17 +86,17 @@ _IDS = flags.DEFINE_integer("ids", 16384,
 _BAG = flags.DEFINE_list("bag", ["20", "0"],
                          "Ids per bag, one configuration each (0: a "
                          "sequence feature of --ids ids).")
-_CACHE = flags.DEFINE_integer("cache_rows", 8 * 2**20,
+_CACHE = flags.DEFINE_integer("cache_rows", 12 * 2**20,
                               "Rows of the device cache.")
 _POLICY = flags.DEFINE_enum("policy", "lru", ["lru", "lfu"],
                             "Cache policy.")
 _ZIPF = flags.DEFINE_float("zipf", 1.05, "Zipf exponent of the ids.")
 _STEPS = flags.DEFINE_integer("steps", 20, "Timed steps.")
 _WARMUP = flags.DEFINE_integer(
-    "warmup", 200,
+    "warmup", 400,
     "Untimed steps first: they compile and fill the cache (at the defaults "
-    "16,384 bags of 20 fill the 8M-row cache in about 160 steps; the bench "
-    "says when the timed steps found it still filling).")
+    "16,384 bags of 20 fill the 12M-row cache in about 330 steps; the "
+    "bench says when the timed steps found it still filling).")
 _DEVICE_ROWS = flags.DEFINE_integer(
     "compare_device_rows", 10_000_000,
     "Rows of the device-held table of the comparison (0: none).")
