@@ -1125,6 +1125,14 @@ class HostTierTest(parameterized.TestCase):
       pe_flax.EmbeddingCollection(host).init(jax.random.key(0), batch)
 
 
+def _bench_host_tier(code: str) -> list[str]:
+  """The lines `code` prints, run after `from bench import host_tier` in a
+  process of its own (the bench defines absl flags)."""
+  return subprocess.run(
+      [sys.executable, "-c", "from bench import host_tier\n" + code],
+      check=True, capture_output=True, text=True).stdout.splitlines()
+
+
 class BenchTest(absltest.TestCase):
 
   def test_file_writes_bench_runs_small(self):
@@ -1238,16 +1246,13 @@ class BenchTest(absltest.TestCase):
     """`bench.host_tier`'s line on the steps over 1.5x the median, against
     a hand count of made-up steps (in a process of its own: the bench
     defines absl flags)."""
-    code = (
-        "from bench import host_tier\n"
+    out = _bench_host_tier(
         "h = dict(steps_ms=[10, 11, 30, 40, 9], step_s=0.0105,\n"
         "         prefetch_ms=[2, 3, 20, 8, 2], waited_ms=[0, 0, 0, 6, 0],\n"
         "         evicted=[0, 0, 5, 0, 0])\n"
         "print(host_tier._slow_steps(h))\n"
         "print(repr(host_tier._slow_steps(dict(h, step_s=0.04))))\n")
-    out = subprocess.run([sys.executable, "-c", code], check=True,
-                         capture_output=True, text=True).stdout
-    self.assertEqual(out.splitlines(), [
+    self.assertEqual(out, [
         "2 of 5 timed steps over 1.5x the median: 35.0 ms on average, "
         "their prefetch 14.0 ms on the host, of it 3.0 waiting for "
         "write-backs; 1 of them evicted", "''"])
@@ -1256,23 +1261,20 @@ class BenchTest(absltest.TestCase):
     """`bench.host_tier`'s host profile against a hand count of made-up
     steps: step 2 evicts; steps 0, 1, 6 and 7 are quiet (no eviction in
     them nor in the 3 steps before)."""
-    code = (
-        "from bench import host_tier\n"
+    out = _bench_host_tier(
         "f = [0.010, 0.012, 0.030, 0.010, 0.011, 0.010, 0.008, 0.010]\n"
         "profiles = [dict(f=x) for x in f]\n"
         "profiles[3]['g'] = 0.005\n"
         "print(host_tier._after_evictions(profiles, [0, 0, 5, 0, 0, 0, 0, 0],"
         " top=2))\n"
         "print(host_tier._after_evictions(profiles, [0] * 8))\n")
-    out = subprocess.run([sys.executable, "-c", code], check=True,
-                         capture_output=True, text=True).stdout
     quiet = (0.010 + 0.012 + 0.008 + 0.010) / 4
     want = {"+0": {"steps": 1, "ms": {"f": round(1e3 * (0.030 - quiet), 2)}},
             "+1": {"steps": 1, "ms": {"g": 5.0,
                                       "f": round(1e3 * (0.010 - quiet), 2)}},
             "+2": {"steps": 1, "ms": {"f": round(1e3 * (0.011 - quiet), 2)}},
             "+3": {"steps": 1, "ms": {"f": round(1e3 * (0.010 - quiet), 2)}}}
-    self.assertEqual(out.splitlines(), [repr(want), "{}"])
+    self.assertEqual(out, [repr(want), "{}"])
 
   def test_checkpoint_bench_runs_small(self):
     """`python -m bench.host_checkpoint` at tiny sizes (table in files)."""
